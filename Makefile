@@ -1,0 +1,40 @@
+# The two commands of the README: `make demo` and `make test`. Each sets itself up
+# on a fresh machine: Debian packages, .venv, Python packages, the C extension.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+DEPS   := $(VENV)/.deps-installed
+SYSDEPS := $(VENV)/.sysdeps-installed
+EXT    := ops/_block_copy.stamp
+
+.PHONY: demo test bench build clean
+
+demo: build
+	$(PY) scripts/demo_swap.py
+
+test: build
+	$(PY) -m pytest -q
+
+bench: build
+	$(PY) scripts/bench_swap.py
+
+build: $(EXT)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(SYSDEPS): requirements-apt.txt scripts/install_system_deps.sh | $(PY)
+	bash scripts/install_system_deps.sh
+	touch $@
+
+$(DEPS): requirements.txt $(SYSDEPS) | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+$(EXT): $(DEPS) setup.py $(wildcard ops/csrc/*.c)
+	$(PY) setup.py -q build_ext --inplace
+	touch $@
+
+clean:
+	rm -rf build ops/_block_copy*.so $(EXT)

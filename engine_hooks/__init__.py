@@ -1,0 +1,1 @@
+"""What an engine imports: create and export caches, start the CTMs, submit tasks, the prefix cache."""

@@ -1,0 +1,391 @@
+/*
+ * Block-copy kernel for the CPU platform.
+ *
+ * Every copy between a paged KV cache and host memory is described the same
+ * way: per layer, a base address, a block stride and a capacity on each side,
+ * plus parallel arrays of source and destination block ids.  The per-layer
+ * layout (swap_cache_all_layers) has stride == block_bytes; the block-major
+ * staging layout (swap_cache_layout) has stride == num_layers * block_bytes
+ * and a per-layer base offset.
+ *
+ * Contract: every id, length and size is checked before the first byte
+ * moves; any violation raises ValueError naming the value and nothing is
+ * written.  Runs of consecutive ids on both sides are merged into one
+ * memcpy.  The GIL is released while bytes move, and a large copy is split
+ * by bytes across worker threads.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+
+/* Below this many bytes per extra thread, spawning costs more than it buys. */
+#define MIN_BYTES_PER_THREAD (512 * 1024)
+#define MAX_THREADS 64
+
+typedef struct {
+    char *dst;
+    const char *src;
+    size_t len;
+} segment_t;
+
+typedef struct {
+    const segment_t *segs;
+    size_t nsegs;
+    const size_t *prefix; /* prefix[i] = bytes before segment i */
+    size_t begin, end;    /* byte range of the concatenated segments */
+} work_t;
+
+static size_t find_segment(const size_t *prefix, size_t nsegs, size_t offset)
+{
+    size_t lo = 0, hi = nsegs; /* last i with prefix[i] <= offset */
+    while (hi - lo > 1) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (prefix[mid] <= offset)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static void *run_work(void *arg)
+{
+    const work_t *w = (const work_t *)arg;
+    if (w->begin >= w->end)
+        return NULL;
+    size_t i = find_segment(w->prefix, w->nsegs, w->begin);
+    size_t pos = w->begin;
+    while (pos < w->end && i < w->nsegs) {
+        size_t seg_start = w->prefix[i];
+        size_t off = pos - seg_start;
+        size_t avail = w->segs[i].len - off;
+        size_t want = w->end - pos;
+        size_t n = avail < want ? avail : want;
+        memcpy(w->segs[i].dst + off, w->segs[i].src + off, n);
+        pos += n;
+        i++;
+    }
+    return NULL;
+}
+
+/* Runs the segments on up to num_threads threads; call without the GIL. */
+static int run_segments(const segment_t *segs, size_t nsegs, int num_threads)
+{
+    if (nsegs == 0)
+        return 0;
+    size_t *prefix = malloc(sizeof(size_t) * (nsegs + 1));
+    if (!prefix)
+        return -1;
+    size_t total = 0;
+    for (size_t i = 0; i < nsegs; i++) {
+        prefix[i] = total;
+        total += segs[i].len;
+    }
+    prefix[nsegs] = total;
+
+    int threads = num_threads < 1 ? 1 : num_threads;
+    if (threads > MAX_THREADS)
+        threads = MAX_THREADS;
+    size_t useful = total / MIN_BYTES_PER_THREAD;
+    if ((size_t)threads > useful)
+        threads = useful < 1 ? 1 : (int)useful;
+
+    work_t works[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 0; t < threads; t++) {
+        /* Cut points on 64-byte boundaries keep threads off each other's cache lines. */
+        size_t b = (total / threads) * t & ~(size_t)63;
+        size_t e = t == threads - 1 ? total : ((total / threads) * (t + 1) & ~(size_t)63);
+        works[t] = (work_t){segs, nsegs, prefix, b, e};
+    }
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, run_work, &works[t]) == 0;
+    run_work(&works[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            run_work(&works[t]); /* could not spawn: do that share here */
+    }
+    free(prefix);
+    return 0;
+}
+
+typedef struct {
+    Py_buffer bases, caps, ids;
+    int have_bases, have_caps, have_ids;
+} side_bufs_t;
+
+static void release_side(side_bufs_t *s)
+{
+    if (s->have_bases)
+        PyBuffer_Release(&s->bases);
+    if (s->have_caps)
+        PyBuffer_Release(&s->caps);
+    if (s->have_ids)
+        PyBuffer_Release(&s->ids);
+}
+
+static int get_int64_buffer(PyObject *obj, Py_buffer *view, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if (view->itemsize != 8 || !view->format ||
+        (strcmp(view->format, "q") != 0 && strcmp(view->format, "l") != 0 &&
+         strcmp(view->format, "<q") != 0 && strcmp(view->format, "<l") != 0 &&
+         strcmp(view->format, "=q") != 0)) {
+        PyErr_Format(PyExc_ValueError, "%s must be a contiguous int64 buffer (got format '%s')",
+                     what, view->format ? view->format : "?");
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static int load_side(PyObject *bases, PyObject *caps, PyObject *ids, side_bufs_t *s, const char *name)
+{
+    char what[96];
+    snprintf(what, sizeof what, "%s layer bases", name);
+    if (get_int64_buffer(bases, &s->bases, what) < 0)
+        return -1;
+    s->have_bases = 1;
+    snprintf(what, sizeof what, "%s layer capacities", name);
+    if (get_int64_buffer(caps, &s->caps, what) < 0)
+        return -1;
+    s->have_caps = 1;
+    snprintf(what, sizeof what, "%s block ids", name);
+    if (get_int64_buffer(ids, &s->ids, what) < 0)
+        return -1;
+    s->have_ids = 1;
+    return 0;
+}
+
+/* Checks every id of one side against every layer's capacity. */
+static int check_ids(const int64_t *ids, Py_ssize_t n, const int64_t *caps, Py_ssize_t layers,
+                     const char *name)
+{
+    int64_t min_cap = INT64_MAX;
+    Py_ssize_t min_layer = 0;
+    for (Py_ssize_t l = 0; l < layers; l++) {
+        if (caps[l] < 0) {
+            PyErr_Format(PyExc_ValueError, "%s capacity %lld of layer %zd is negative", name,
+                         (long long)caps[l], l);
+            return -1;
+        }
+        if (caps[l] < min_cap) {
+            min_cap = caps[l];
+            min_layer = l;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= min_cap) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s block id %lld at position %zd is out of range [0, %lld) (layer %zd)",
+                         name, (long long)ids[i], i, (long long)min_cap, min_layer);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Two sources into one destination block would race; refuse them. */
+static int check_unique(const int64_t *ids, Py_ssize_t n, int64_t cap, const char *name)
+{
+    if (n < 2)
+        return 0;
+    if (n <= 32) { /* small tasks: a bitmap over the whole cache costs more */
+        for (Py_ssize_t i = 1; i < n; i++)
+            for (Py_ssize_t j = 0; j < i; j++)
+                if (ids[i] == ids[j]) {
+                    PyErr_Format(PyExc_ValueError,
+                                 "%s block id %lld appears more than once (again at position %zd)",
+                                 name, (long long)ids[i], i);
+                    return -1;
+                }
+        return 0;
+    }
+    size_t nbytes = (size_t)(cap / 8 + 1);
+    unsigned char *seen = calloc(nbytes, 1);
+    if (!seen) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t id = ids[i];
+        unsigned char bit = (unsigned char)(1u << (id & 7));
+        if (seen[id >> 3] & bit) {
+            free(seen);
+            PyErr_Format(PyExc_ValueError,
+                         "%s block id %lld appears more than once (again at position %zd)", name,
+                         (long long)id, i);
+            return -1;
+        }
+        seen[id >> 3] |= bit;
+    }
+    free(seen);
+    return 0;
+}
+
+PyDoc_STRVAR(copy_blocks_doc,
+"copy_blocks(src_bases, src_caps, src_stride, src_ids, src_name,\n"
+"            dst_bases, dst_caps, dst_stride, dst_ids, dst_name,\n"
+"            block_bytes, num_threads) -> int\n\n"
+"Copy block src_ids[i] to dst_ids[i] in every layer; returns the number of\n"
+"memcpy segments after merging consecutive runs.  bases/caps/ids are int64\n"
+"buffers; a block of layer l starts at bases[l] + id * stride.");
+
+static PyObject *py_copy_blocks(PyObject *self, PyObject *args)
+{
+    PyObject *src_bases, *src_caps, *src_ids, *dst_bases, *dst_caps, *dst_ids;
+    long long src_stride, dst_stride, block_bytes;
+    const char *src_name, *dst_name;
+    int num_threads;
+    if (!PyArg_ParseTuple(args, "OOLOsOOLOsLi", &src_bases, &src_caps, &src_stride, &src_ids,
+                          &src_name, &dst_bases, &dst_caps, &dst_stride, &dst_ids, &dst_name,
+                          &block_bytes, &num_threads))
+        return NULL;
+
+    side_bufs_t src = {0}, dst = {0};
+    PyObject *result = NULL;
+    segment_t *segs = NULL;
+    if (load_side(src_bases, src_caps, src_ids, &src, src_name) < 0 ||
+        load_side(dst_bases, dst_caps, dst_ids, &dst, dst_name) < 0)
+        goto done;
+
+    Py_ssize_t layers = src.bases.len / 8;
+    Py_ssize_t n = src.ids.len / 8;
+    if (dst.bases.len / 8 != layers || src.caps.len / 8 != layers || dst.caps.len / 8 != layers) {
+        PyErr_Format(PyExc_ValueError, "layer count mismatch: %s has %zd layers, %s has %zd", src_name,
+                     layers, dst_name, dst.bases.len / 8);
+        goto done;
+    }
+    if (dst.ids.len / 8 != n) {
+        PyErr_Format(PyExc_ValueError, "%s block ids (%zd) and %s block ids (%zd) differ in length",
+                     src_name, n, dst_name, dst.ids.len / 8);
+        goto done;
+    }
+    if (block_bytes <= 0 || block_bytes > src_stride || block_bytes > dst_stride) {
+        PyErr_Format(PyExc_ValueError, "block_bytes %lld must be in (0, min(stride %lld, %lld)]",
+                     block_bytes, src_stride, dst_stride);
+        goto done;
+    }
+    const int64_t *sb = src.bases.buf, *db = dst.bases.buf, *sc = src.caps.buf, *dc = dst.caps.buf;
+    const int64_t *si = src.ids.buf, *di = dst.ids.buf;
+    if (check_ids(si, n, sc, layers, src_name) < 0 || check_ids(di, n, dc, layers, dst_name) < 0)
+        goto done;
+    int64_t dst_max_cap = 0;
+    for (Py_ssize_t l = 0; l < layers; l++)
+        if (dc[l] > dst_max_cap)
+            dst_max_cap = dc[l];
+    if (check_unique(di, n, dst_max_cap, dst_name) < 0)
+        goto done;
+
+    /* Plan: one segment per maximal run of consecutive ids on both sides. */
+    int src_dense = src_stride == block_bytes, dst_dense = dst_stride == block_bytes;
+    size_t cap_segs = (size_t)layers * (size_t)(n ? n : 1);
+    segs = malloc(sizeof(segment_t) * cap_segs);
+    if (!segs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    size_t nsegs = 0;
+    for (Py_ssize_t l = 0; l < layers; l++) {
+        Py_ssize_t i = 0;
+        while (i < n) {
+            Py_ssize_t j = i + 1;
+            if (src_dense && dst_dense)
+                while (j < n && si[j] == si[j - 1] + 1 && di[j] == di[j - 1] + 1)
+                    j++;
+            segs[nsegs].src = (const char *)(intptr_t)sb[l] + si[i] * src_stride;
+            segs[nsegs].dst = (char *)(intptr_t)db[l] + di[i] * dst_stride;
+            segs[nsegs].len = (size_t)block_bytes * (size_t)(j - i);
+            nsegs++;
+            i = j;
+        }
+    }
+
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = run_segments(segs, nsegs, num_threads);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = PyLong_FromSize_t(nsegs);
+done:
+    free(segs);
+    release_side(&src);
+    release_side(&dst);
+    return result;
+}
+
+PyDoc_STRVAR(copy_contiguous_doc,
+"copy_contiguous(dst_ptr, src_ptr, nbytes, num_threads) -> None\n\n"
+"One contiguous memcpy split across threads the same way as copy_blocks;\n"
+"the reference the benchmarks measure the kernel against.");
+
+static PyObject *py_copy_contiguous(PyObject *self, PyObject *args)
+{
+    unsigned long long dst, src, nbytes;
+    int num_threads;
+    if (!PyArg_ParseTuple(args, "KKKi", &dst, &src, &nbytes, &num_threads))
+        return NULL;
+    segment_t seg = {(char *)(uintptr_t)dst, (const char *)(uintptr_t)src, (size_t)nbytes};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = run_segments(&seg, 1, num_threads);
+    Py_END_ALLOW_THREADS
+    if (rc < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(host_alloc_doc,
+"host_alloc(nbytes) -> int\n\nPage-aligned anonymous host memory; returns its address.");
+
+static PyObject *py_host_alloc(PyObject *self, PyObject *args)
+{
+    long long nbytes;
+    if (!PyArg_ParseTuple(args, "L", &nbytes))
+        return NULL;
+    if (nbytes <= 0) {
+        PyErr_Format(PyExc_ValueError, "host_alloc size %lld must be positive", nbytes);
+        return NULL;
+    }
+    void *p = mmap(NULL, (size_t)nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return PyErr_SetFromErrno(PyExc_MemoryError);
+    return PyLong_FromVoidPtr(p);
+}
+
+PyDoc_STRVAR(host_free_doc, "host_free(ptr, nbytes) -> None\n\nRelease memory from host_alloc.");
+
+static PyObject *py_host_free(PyObject *self, PyObject *args)
+{
+    unsigned long long ptr, nbytes;
+    if (!PyArg_ParseTuple(args, "KK", &ptr, &nbytes))
+        return NULL;
+    if (munmap((void *)(uintptr_t)ptr, (size_t)nbytes) != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_blocks", py_copy_blocks, METH_VARARGS, copy_blocks_doc},
+    {"copy_contiguous", py_copy_contiguous, METH_VARARGS, copy_contiguous_doc},
+    {"host_alloc", py_host_alloc, METH_VARARGS, host_alloc_doc},
+    {"host_free", py_host_free, METH_VARARGS, host_free_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "ops._block_copy", "CPU block-copy kernel (see block_copy.c).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__block_copy(void) { return PyModule_Create(&module); }

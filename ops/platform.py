@@ -1,0 +1,113 @@
+"""The platform layer: one interface for the memory and copy primitives a CTM needs.
+
+Everything above ``ops/`` is platform-free: it calls these primitives, never a
+vendor API.  A platform is chosen by name (``ops.get_platform("cpu")``).
+
+Primitives and their contracts (names as in FastDeploy, so engine code ports unchanged):
+
+``set_device(device_id)``
+    Bind the calling thread to a device.  A negative or non-integer id raises ``ValueError``.
+``empty(shape, dtype)``
+    Allocate device memory for a cache tensor (the model runner's allocation).
+``free(tensor)``
+    Release memory from ``empty``; outstanding views keep the bytes mapped until they go.
+``set_data_ipc(tensor, name)``
+    Export a device tensor under ``name`` so another process can attach it.
+    Exporting a name twice raises ``FileExistsError``.
+``share_external_data_(tensor, name, shape, use_ipc=True)``
+    Attach the tensor exported as ``name``; ``tensor`` only gives the dtype.  The
+    result aliases the exporter's memory (no copy).  A shape or dtype that does not
+    match the export raises ``ValueError``.
+``unset_data_ipc(tensor, name, close_ipc=True, unlink_shm=False)``
+    Close an attachment; with ``unlink_shm`` also withdraw the export (exporter only).
+``host_alloc(nbytes) -> int`` / ``host_free(ptr)``
+    Page-aligned host memory for swap space and staging buffers (FastDeploy's
+    ``cuda_host_alloc``/``cuda_host_free`` are aliases).  Freeing an unknown pointer
+    raises ``ValueError``.
+``swap_cache_all_layers(caches, host_ptrs, num_cpu_blocks, device_block_ids, host_block_ids, device_id, mode)``
+    For every layer ``l``, copy block ``device_block_ids[i]`` of ``caches[l]`` to/from
+    block ``host_block_ids[i]`` of the host buffer at ``host_ptrs[l]``
+    (``[num_cpu_blocks, *block_shape]``).  mode 0 device->host, 1 host->device.
+``swap_cache_layout(caches, host_base_ptr, cache_shape, device_block_ids, host_block_ids, device_id, mode)``
+    The same between per-layer caches of shape ``cache_shape`` and one block-major
+    staging buffer ``[block, layer, *block_shape]`` at ``host_base_ptr``.
+``memory_allocated(device_id=None) -> int``
+    Bytes of device memory this process allocated with ``empty``.
+
+Both copies check every id, length, size and dtype before the first byte moves and
+raise ``ValueError`` naming the bad value; no copy writes outside its buffer.  A
+destination block listed twice is refused.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+BlockIds = Sequence[int]
+
+DEVICE_TO_HOST = 0
+HOST_TO_DEVICE = 1
+
+
+class Platform(ABC):
+    """A device family: its memory, its IPC and its block copies."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def set_device(self, device_id: int) -> None: ...
+
+    @abstractmethod
+    def empty(self, shape: Sequence[int], dtype: str) -> Any: ...
+
+    @abstractmethod
+    def free(self, tensor: Any) -> None: ...
+
+    @abstractmethod
+    def set_data_ipc(self, tensor: Any, name: str) -> None: ...
+
+    @abstractmethod
+    def share_external_data_(self, tensor: Any, name: str, shape: Sequence[int], use_ipc: bool = True) -> Any: ...
+
+    @abstractmethod
+    def unset_data_ipc(self, tensor: Any, name: str, close_ipc: bool = True, unlink_shm: bool = False) -> None: ...
+
+    @abstractmethod
+    def host_alloc(self, nbytes: int) -> int: ...
+
+    @abstractmethod
+    def host_free(self, ptr: int) -> None: ...
+
+    @abstractmethod
+    def swap_cache_all_layers(
+        self,
+        caches: Sequence[Any],
+        host_ptrs: Sequence[int],
+        num_cpu_blocks: int,
+        device_block_ids: BlockIds,
+        host_block_ids: BlockIds,
+        device_id: int,
+        mode: int,
+    ) -> None: ...
+
+    @abstractmethod
+    def swap_cache_layout(
+        self,
+        caches: Sequence[Any],
+        host_base_ptr: int,
+        cache_shape: Sequence[int],
+        device_block_ids: BlockIds,
+        host_block_ids: BlockIds,
+        device_id: int,
+        mode: int,
+    ) -> None: ...
+
+    @abstractmethod
+    def memory_allocated(self, device_id: int | None = None) -> int: ...
+
+    # FastDeploy's names for the host allocator.
+    def cuda_host_alloc(self, nbytes: int) -> int:
+        return self.host_alloc(nbytes)
+
+    def cuda_host_free(self, ptr: int) -> None:
+        self.host_free(ptr)

@@ -1,0 +1,114 @@
+"""POSIX shared-memory segments without ``multiprocessing.resource_tracker``.
+
+``multiprocessing.shared_memory`` registers every segment it opens with the
+resource tracker, which unlinks it when *any* attaching process exits: the
+engine's caches and signals would vanish when a CTM dies.  Here only the
+creator's explicit ``unlink()`` removes a name.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+
+SHM_DIR = "/dev/shm"
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+logger = logging.getLogger(__name__)
+
+
+def shm_path(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise ValueError(f"shared-memory name {name!r} must be 1-200 characters of [A-Za-z0-9._-]")
+    return os.path.join(SHM_DIR, name)
+
+
+class SharedMemorySegment:
+    """A named, mapped shared-memory segment.
+
+    ``create=True`` makes a new segment (fails if the name exists) of ``size`` bytes,
+    zero-filled, mode 0600.  ``create=False`` attaches to an existing one.
+    """
+
+    def __init__(self, name: str, size: int = 0, create: bool = False):
+        self.name = name
+        self.path = shm_path(name)
+        self.created = create
+        if create:
+            if size <= 0:
+                raise ValueError(f"shared-memory segment {name!r}: size {size} must be positive")
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, size)
+            except BaseException:
+                os.close(fd)
+                os.unlink(self.path)
+                raise
+        else:
+            fd = os.open(self.path, os.O_RDWR)
+            size = os.fstat(fd).st_size
+            if size == 0:
+                os.close(fd)
+                raise ValueError(f"shared-memory segment {name!r} is empty (its creator has not sized it yet)")
+        try:
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.size = size
+
+    @property
+    def buf(self) -> mmap.mmap:
+        if self._mmap is None:
+            raise ValueError(f"shared-memory segment {self.name!r} is closed")
+        return self._mmap
+
+    def close(self) -> None:
+        """Unmap, unless tensors still view it: then the mapping goes with the last of them."""
+        if self._mmap is None:
+            return
+        try:
+            self._mmap.close()
+        except BufferError:
+            logger.debug("segment %s still has live views; it is unmapped when they are released", self.name)
+        self._mmap = None
+
+    def unlink(self) -> None:
+        """Remove the name (creator only); existing mappings stay valid."""
+        self.unlink_name(self.name)
+
+    @staticmethod
+    def unlink_name(name: str) -> None:
+        try:
+            os.unlink(shm_path(name))
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "SharedMemorySegment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SharedMemorySegment({self.name!r}, size={self.size}, created={self.created})"
+
+
+def list_segments(prefix: str) -> list[str]:
+    """Names in /dev/shm that start with ``prefix`` (for leak checks and clean-up)."""
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+def unlink_segments(prefix: str) -> list[str]:
+    """Unlink every segment whose name starts with ``prefix``; returns the names removed."""
+    removed = []
+    for name in list_segments(prefix):
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed

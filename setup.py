@@ -1,0 +1,24 @@
+"""Installs the four packages of cache-transfer-manager and builds the CPU block-copy kernel."""
+from setuptools import Extension, setup
+
+block_copy = Extension(
+    "ops._block_copy",
+    sources=["ops/csrc/block_copy.c"],
+    extra_compile_args=["-O3", "-pthread", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+    extra_link_args=["-pthread"],
+)
+
+setup(
+    name="cache-transfer-manager",
+    version="0.1.0",
+    description="KV-cache transfer subsystem: device <-> host swap space <-> storage",
+    packages=["cache_manager", "ops", "transfer_factory", "engine_hooks"],
+    ext_modules=[block_copy],
+    python_requires=">=3.10",
+    install_requires=["numpy", "pyzmq", "msgpack"],
+    extras_require={
+        # The CPU build is the embedded default; Ascend hosts install paddle-custom-npu instead.
+        "cpu": ["paddlepaddle>=3.0"],
+        "test": ["pytest", "hypothesis"],
+    },
+)

@@ -1,0 +1,1 @@
+"""Storage backends behind one KVCacheStorage interface (mooncake, file, attention_store, ems)."""
