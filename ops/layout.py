@@ -90,6 +90,24 @@ class CopyPlan:
     dtype: CacheDtype
 
 
+def check_side_ids(ids: np.ndarray, side: Side, unique: bool) -> None:
+    """Every id inside every layer's capacity and, for a destination, listed once.
+
+    The CPU kernel makes the same checks in C; platforms without it call this before copying.
+    """
+    cap = int(side.capacities.min()) if side.capacities.size else 0
+    bad = np.flatnonzero((ids < 0) | (ids >= cap))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{side.name} block id {int(ids[i])} at position {i} is out of range [0, {cap})")
+    if unique and ids.size > 1:
+        order = np.argsort(ids, kind="stable")
+        dup = np.flatnonzero(ids[order][1:] == ids[order][:-1])
+        if dup.size:
+            i = int(order[1:][dup].min())
+            raise ValueError(f"{side.name} block id {int(ids[i])} appears more than once (again at position {i})")
+
+
 def describe_caches(caches: Sequence[Any], expect_shape: Sequence[int] | None = None) -> tuple[list[TensorInfo], int]:
     """Checks a list of per-layer caches; returns their infos and the common bytes per block."""
     if isinstance(caches, (str, bytes)) or not hasattr(caches, "__len__") or len(caches) == 0:

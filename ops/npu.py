@@ -1,0 +1,328 @@
+"""The Ascend NPU platform: PaddlePaddle with the paddle-custom-device NPU plugin, plus CANN's pyACL.
+
+How each primitive maps to a vendor call (pyACL, the ``acl`` Python module of the CANN toolkit).
+Every pyACL call returns an ``aclError`` int (0 = ACL_SUCCESS); any other code raises
+``RuntimeError`` naming the call and the code.
+
+``set_device``            ``acl.rt.set_device(device_id)`` -> ``ret`` (binds the calling *thread*, so it
+                          runs once per thread) and ``paddle.device.set_device("npu:N")``.
+``empty`` / ``free``      ``paddle.empty(shape, dtype)`` on the ``npu:N`` place, so the model runner gets a
+                          real paddle tensor; ``free`` drops this platform's reference.
+``set_data_ipc``          ``acl.rt.ipc_mem_get_export_key(dev_ptr, size, 65, flags)`` -> ``(key, ret)``;
+                          the key goes into a small shared-memory handle ``ctm.npu.<instance>.<name>``
+                          (``ops.shm``), so the CTM finds it by the FastDeploy cache name.
+``share_external_data_``  ``acl.rt.ipc_mem_import_by_key(key, flags)`` -> ``(dev_ptr, ret)``; the result is
+                          an ``NpuDeviceView`` (pointer, shape, dtype).  Paddle documents no API that
+                          wraps a foreign NPU pointer as a tensor, and the copies need nothing more.
+``unset_data_ipc``        ``acl.rt.ipc_mem_close(key)``: importers first, the exporter last (CANN docs).
+``host_alloc``/``free``   ``acl.rt.malloc_host(size)`` -> ``(ptr, ret)`` (page-locked, 64-byte aligned) /
+                          ``acl.rt.free_host(ptr)`` -> ``ret``.
+``swap_cache_*``          ``acl.rt.memcpy(dst, dest_max, src, count, kind)`` -> ``ret``, kind 1 host->device,
+                          2 device->host; one call per run of consecutive ids (``merge_runs``).
+                          The call is synchronous but does not synchronise streams: the engine must have
+                          finished writing a block before it asks for a device->host swap.
+``memory_allocated``      bytes of live ``empty`` allocations (``paddle.device.memory_allocated("npu:N")``
+                          would count every tensor of the process, not only the caches).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .dtypes import cache_dtype
+from .layout import (
+    CopyPlan,
+    HostAllocations,
+    Side,
+    all_layers_plan,
+    block_ids,
+    check_mode,
+    check_same_length,
+    layout_plan,
+    tensor_info,
+)
+from .platform import DEVICE_TO_HOST, BlockIds, Platform
+from .shm import SharedMemorySegment
+
+logger = logging.getLogger(__name__)
+
+ACL_SUCCESS = 0
+ACL_ERROR_REPEAT_INITIALIZE = 100002
+ACL_MEMCPY_HOST_TO_DEVICE = 1
+ACL_MEMCPY_DEVICE_TO_HOST = 2
+IPC_KEY_LEN = 65  # "key的长度，固定配置为65" (aclrtIpcMemGetExportKey)
+# 1 = ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION.  Ambiguous across CANN versions: 8.2 documents
+# the flag as reserved ("固定配置为0", importers must be whitelisted with acl.rt.ipc_mem_set_import_pid);
+# 8.3+ documents 0 = whitelist required, 1 = no whitelist.  On 8.2, pass export_flags=0 and call
+# allow_import_pids() with the CTMs' pids (from aclrtDeviceGetBareTgid in the importer).
+IPC_EXPORT_DISABLE_PID_VALIDATION = 1
+IPC_IMPORT_FLAG_DEFAULT = 0  # same device: no peer access needed
+
+SEGMENT_PREFIX = "ctm.npu."
+# magic, format version, export key, nbytes, dtype name, exporter device id
+_HANDLE = struct.Struct("<8sI80sQ16si")
+_HANDLE_MAGIC = b"CTMNPU\x00\x01"
+_HANDLE_VERSION = 1
+
+
+def check_acl(ret: Any, call: str) -> None:
+    """Raise ``RuntimeError`` unless ``ret`` is ACL_SUCCESS."""
+    if ret != ACL_SUCCESS:
+        raise RuntimeError(f"{call} failed with aclError {ret}")
+
+
+def merge_runs(src_ids: Any, dst_ids: Any) -> list[tuple[int, int, int]]:
+    """Maximal runs where both id sequences go up by one: ``[(src_start, dst_start, count)]`` in order."""
+    src = np.asarray(src_ids, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst_ids, dtype=np.int64).reshape(-1)
+    if src.size != dst.size:
+        raise ValueError(f"merge_runs: {src.size} source ids but {dst.size} destination ids")
+    if src.size == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [src.size]))
+    return [(int(src[s]), int(dst[s]), int(e - s)) for s, e in zip(starts, ends)]
+
+
+@dataclass(frozen=True)
+class NpuDeviceView:
+    """An attached device cache: what ``tensor_info`` and the copies need, no paddle tensor."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: str
+    name: str
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def is_contiguous(self) -> bool:
+        return True
+
+
+def _import_vendor() -> tuple[Any, Any]:
+    hint = "the embedded default platform is 'cpu' (CTM_PLATFORM=cpu)"
+    try:
+        import acl  # CANN pyACL: source <cann>/set_env.sh
+    except ImportError as exc:
+        raise RuntimeError(
+            f"the NPU platform needs Ascend CANN's pyACL module 'acl', which cannot be imported ({exc}); {hint}"
+        ) from exc
+    try:
+        import paddle
+    except ImportError as exc:
+        raise RuntimeError(f"the NPU platform needs the 'paddle' package ({exc}); {hint}") from exc
+    if "npu" not in (paddle.device.get_all_custom_device_type() or []):
+        raise RuntimeError(f"paddle has no 'npu' custom device: install paddle-custom-npu; {hint}")
+    return acl, paddle
+
+
+class NpuPlatform(Platform):
+    """Ascend NPU through paddle-custom-npu (allocation) and pyACL (memcpy, pinned host memory, IPC)."""
+
+    name = "npu"
+
+    def __init__(self, instance: str | None = None, export_flags: int = IPC_EXPORT_DISABLE_PID_VALIDATION):
+        self._acl, self._paddle = _import_vendor()
+        ret = self._acl.init()
+        if ret not in (ACL_SUCCESS, ACL_ERROR_REPEAT_INITIALIZE):  # the paddle plugin may have initialised ACL
+            check_acl(ret, "acl.init")
+        self.instance = instance or os.environ.get("CTM_INSTANCE", "0")
+        self.export_flags = int(export_flags)
+        self.device_id = 0
+        self._tls = threading.local()
+        self._lock = threading.Lock()
+        self._hosts = HostAllocations()
+        self._device: dict[int, tuple[Any, int, int]] = {}  # data_ptr -> (tensor, nbytes, device id)
+        self._exports: dict[str, tuple[str, int]] = {}  # name -> (key, data_ptr)
+        self._attached: dict[int, str] = {}  # imported data_ptr -> key
+
+    def segment_name(self, name: str) -> str:
+        return f"{SEGMENT_PREFIX}{self.instance}.{name}"
+
+    # -- device ------------------------------------------------------------
+    def set_device(self, device_id: int) -> None:
+        if not isinstance(device_id, (int, np.integer)) or isinstance(device_id, bool) or device_id < 0:
+            raise ValueError(f"device_id {device_id!r} must be a non-negative integer")
+        device_id = int(device_id)
+        if getattr(self._tls, "device", None) != device_id:
+            check_acl(self._acl.rt.set_device(device_id), f"acl.rt.set_device({device_id})")
+            self._paddle.device.set_device(f"npu:{device_id}")
+            self._tls.device = device_id
+        self.device_id = device_id
+
+    def empty(self, shape: Sequence[int], dtype: Any) -> Any:
+        shape = [int(d) for d in shape]
+        if not shape or any(d <= 0 for d in shape):
+            raise ValueError(f"shape {shape} must have positive dimensions")
+        dt = cache_dtype(dtype)
+        self.set_device(self.device_id)
+        tensor = self._paddle.empty(shape, dtype=dt.name)
+        with self._lock:
+            self._device[int(tensor.data_ptr())] = (tensor, math.prod(shape) * dt.itemsize, self.device_id)
+        return tensor
+
+    def free(self, tensor: Any) -> None:
+        ptr = int(tensor.data_ptr())
+        with self._lock:
+            if self._device.pop(ptr, None) is None:
+                raise ValueError(f"tensor at {ptr:#x} was not allocated by empty()")
+            names = [n for n, (_, p) in self._exports.items() if p == ptr]
+        for name in names:
+            logger.warning("freeing %r while exported; withdrawing the export", name)
+            self.unset_data_ipc(None, name, close_ipc=False, unlink_shm=True)
+
+    # -- IPC ---------------------------------------------------------------
+    def set_data_ipc(self, tensor: Any, name: str) -> None:
+        info = tensor_info(tensor, f"tensor exported as {name!r}")
+        handle = SharedMemorySegment(self.segment_name(name), _HANDLE.size, create=True)  # FileExistsError
+        exported = None
+        try:
+            # The docs' flow exports memory from aclrtMalloc; whether an interior range of paddle's
+            # allocator pool may be exported is not documented: a refusal surfaces as an aclError here.
+            key, ret = self._acl.rt.ipc_mem_get_export_key(info.ptr, info.nbytes, IPC_KEY_LEN, self.export_flags)
+            check_acl(ret, f"acl.rt.ipc_mem_get_export_key({name!r})")
+            exported = str(key)
+            raw_key = exported.encode()
+            if not raw_key or len(raw_key) >= 80:
+                raise RuntimeError(f"acl.rt.ipc_mem_get_export_key({name!r}) returned an unusable key")
+            handle.buf[: _HANDLE.size] = _HANDLE.pack(
+                _HANDLE_MAGIC, _HANDLE_VERSION, raw_key, info.nbytes, info.dtype.name.encode(), self.device_id
+            )
+        except BaseException:
+            handle.unlink()
+            if exported is not None:
+                self._acl.rt.ipc_mem_close(exported)  # best effort; the original error is what matters
+            raise
+        finally:
+            handle.close()
+        with self._lock:
+            self._exports[name] = (exported, info.ptr)
+
+    def allow_import_pids(self, name: str, pids: Sequence[int]) -> None:
+        """Whitelist importers of an export (needed when ``export_flags`` is 0)."""
+        key = self._exports[name][0]
+        check_acl(self._acl.rt.ipc_mem_set_import_pid(key, [int(p) for p in pids]), "acl.rt.ipc_mem_set_import_pid")
+
+    def _read_handle(self, name: str) -> tuple[str, int, str, int]:
+        try:
+            handle = SharedMemorySegment(self.segment_name(name))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no cache exported as {name!r} ({self.segment_name(name)} is missing)") from None
+        try:
+            magic, version, key, nbytes, dtype, device = _HANDLE.unpack(bytes(handle.buf[: _HANDLE.size]))
+        finally:
+            handle.close()
+        if magic != _HANDLE_MAGIC or version != _HANDLE_VERSION:
+            raise ValueError(f"segment {self.segment_name(name)} is not an NPU cache IPC handle")
+        return key.rstrip(b"\0").decode(), nbytes, dtype.rstrip(b"\0").decode(), device
+
+    def share_external_data_(self, tensor: Any, name: str, shape: Sequence[int], use_ipc: bool = True) -> Any:
+        if not use_ipc:
+            raise ValueError("the NPU platform attaches device caches only through IPC (use_ipc=True)")
+        dt = cache_dtype(tensor.dtype)
+        shape = tuple(int(d) for d in shape)
+        key, nbytes, exported_dtype, device = self._read_handle(name)
+        if exported_dtype != dt.name:
+            raise ValueError(f"cache {name!r} was exported as {exported_dtype}, attached as {dt.name}")
+        if math.prod(shape) * dt.itemsize != nbytes:
+            raise ValueError(f"cache {name!r} holds {nbytes} bytes; shape {list(shape)} of {dt.name} does not")
+        if device != self.device_id:
+            # Across devices the docs forbid host<->device memcpy on imported memory.
+            raise ValueError(f"cache {name!r} lives on npu:{device}, this process is on npu:{self.device_id}")
+        self.set_device(self.device_id)
+        ptr, ret = self._acl.rt.ipc_mem_import_by_key(key, IPC_IMPORT_FLAG_DEFAULT)
+        check_acl(ret, f"acl.rt.ipc_mem_import_by_key({name!r})")
+        with self._lock:
+            self._attached[int(ptr)] = key
+        return NpuDeviceView(int(ptr), shape, dt.name, name)
+
+    def unset_data_ipc(self, tensor: Any, name: str, close_ipc: bool = True, unlink_shm: bool = False) -> None:
+        if close_ipc and tensor is not None:
+            with self._lock:
+                key = self._attached.pop(int(tensor.data_ptr()), None)
+            if key is not None:
+                check_acl(self._acl.rt.ipc_mem_close(key), f"acl.rt.ipc_mem_close({name!r})")
+        if unlink_shm:
+            SharedMemorySegment.unlink_name(self.segment_name(name))
+            with self._lock:
+                export = self._exports.pop(name, None)
+            if export is not None:  # every importer must have closed first (CANN docs)
+                check_acl(self._acl.rt.ipc_mem_close(export[0]), f"acl.rt.ipc_mem_close({name!r})")
+
+    # -- host --------------------------------------------------------------
+    def host_alloc(self, nbytes: int) -> int:
+        if not isinstance(nbytes, (int, np.integer)) or isinstance(nbytes, bool) or nbytes <= 0:
+            raise ValueError(f"host_alloc size {nbytes!r} must be a positive integer")
+        self.set_device(self.device_id)
+        ptr, ret = self._acl.rt.malloc_host(int(nbytes))
+        check_acl(ret, f"acl.rt.malloc_host({int(nbytes)})")
+        self._hosts.add(int(ptr), int(nbytes))
+        return int(ptr)
+
+    def host_free(self, ptr: int) -> None:
+        self._hosts.pop(ptr)
+        check_acl(self._acl.rt.free_host(ptr), "acl.rt.free_host")
+
+    def host_buffer(self, ptr: int, nbytes: int) -> np.ndarray:
+        """A uint8 numpy view of host memory from host_alloc (bounds-checked)."""
+        room = self._hosts.room(ptr, "host pointer")
+        if nbytes < 0 or nbytes > room:
+            raise ValueError(f"host view of {nbytes} bytes at {ptr:#x} exceeds its allocation ({room} bytes left)")
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+    def host_allocated(self) -> int:
+        return self._hosts.total()
+
+    # -- copies ------------------------------------------------------------
+    def _run(self, plan: CopyPlan, device_ids: BlockIds, host_ids: BlockIds, mode: int) -> int:
+        mode = check_mode(mode)
+        dev = block_ids(device_ids, "device_block_ids")
+        host = block_ids(host_ids, "host_block_ids")
+        check_same_length(dev, host)
+        if mode == DEVICE_TO_HOST:
+            src, dst, src_ids, dst_ids, kind = plan.device, plan.host, dev, host, ACL_MEMCPY_DEVICE_TO_HOST
+        else:
+            src, dst, src_ids, dst_ids, kind = plan.host, plan.device, host, dev, ACL_MEMCPY_HOST_TO_DEVICE
+        check_side_ids(src_ids, src, unique=False)
+        check_side_ids(dst_ids, dst, unique=True)
+        bb = plan.block_bytes
+        if src.stride == bb and dst.stride == bb:
+            runs = merge_runs(src_ids, dst_ids)
+        else:  # block-major staging: consecutive ids are not adjacent in memory
+            runs = [(s, d, 1) for s, d in zip(src_ids.tolist(), dst_ids.tolist())]
+        for layer in range(len(src.bases)):
+            sbase, dbase = int(src.bases[layer]), int(dst.bases[layer])
+            dend = dbase + (int(dst.capacities[layer]) - 1) * dst.stride + bb  # end of the last valid block
+            for s, d, n in runs:
+                daddr = dbase + d * dst.stride
+                check_acl(self._acl.rt.memcpy(daddr, dend - daddr, sbase + s * src.stride, n * bb, kind),
+                          f"acl.rt.memcpy({src.name}->{dst.name}, layer {layer})")
+        return len(runs) * len(src.bases)
+
+    def swap_cache_all_layers(self, caches: Sequence[Any], host_ptrs: Sequence[int], num_cpu_blocks: int,
+                              device_block_ids: BlockIds, host_block_ids: BlockIds, device_id: int,
+                              mode: int) -> None:
+        self.set_device(device_id)
+        plan = all_layers_plan(caches, host_ptrs, num_cpu_blocks, self._hosts)
+        self._run(plan, device_block_ids, host_block_ids, mode)
+
+    def swap_cache_layout(self, caches: Sequence[Any], host_base_ptr: int, cache_shape: Sequence[int],
+                          device_block_ids: BlockIds, host_block_ids: BlockIds, device_id: int,
+                          mode: int) -> None:
+        self.set_device(device_id)
+        plan = layout_plan(caches, host_base_ptr, cache_shape, self._hosts)
+        self._run(plan, device_block_ids, host_block_ids, mode)
+
+    def memory_allocated(self, device_id: int | None = None) -> int:
+        with self._lock:
+            return sum(n for _, n, d in self._device.values() if device_id is None or d == device_id)
