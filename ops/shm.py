@@ -29,9 +29,11 @@ class SharedMemorySegment:
 
     ``create=True`` makes a new segment (fails if the name exists) of ``size`` bytes,
     zero-filled, mode 0600.  ``create=False`` attaches to an existing one.
+    ``populate`` maps every page now, as device memory is committed at allocation:
+    copies then never pay first-touch page faults.
     """
 
-    def __init__(self, name: str, size: int = 0, create: bool = False):
+    def __init__(self, name: str, size: int = 0, create: bool = False, populate: bool = True):
         self.name = name
         self.path = shm_path(name)
         self.created = create
@@ -52,7 +54,8 @@ class SharedMemorySegment:
                 os.close(fd)
                 raise ValueError(f"shared-memory segment {name!r} is empty (its creator has not sized it yet)")
         try:
-            self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size, flags=flags)
         finally:
             os.close(fd)
         self.size = size
