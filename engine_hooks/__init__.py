@@ -1,1 +1,16 @@
-"""What an engine imports: create and export caches, start the CTMs, submit tasks, the prefix cache."""
+"""What an engine imports: create and export caches, start the CTMs, submit tasks and get futures."""
+from .device_caches import CacheSpec
+from .errors import (
+    CacheServiceError,
+    RankDiedError,
+    ServiceClosed,
+    StartupError,
+    TaskFailedError,
+    TaskTimeoutError,
+)
+from .service import CacheTransferService
+
+__all__ = [
+    "CacheSpec", "CacheTransferService", "CacheServiceError", "RankDiedError", "ServiceClosed", "StartupError",
+    "TaskFailedError", "TaskTimeoutError",
+]

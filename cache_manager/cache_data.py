@@ -1,0 +1,42 @@
+"""Cache states, task kinds and the names the engine and the CTMs agree on."""
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class CacheStatus(IntEnum):
+    """Where a block is, or which way a task moves it (FastDeploy's values)."""
+
+    CTRL = -1
+    GPU = 0
+    SWAP2CPU = 1
+    SWAP2GPU = 2
+    CPU = 3
+    GPU2STORAGE = 4
+    STORAGE2GPU = 5
+
+
+class KVCacheStatus(IntEnum):
+    """Values of the ``kv_cache_status`` signal."""
+
+    NORMAL = 0
+    UPDATING = 1
+    CLEARING = -1
+    CLEARED = -2
+
+
+def cache_name(kind: str, layer: int, rank: int, device_id: int) -> str:
+    """FastDeploy's IPC name of one layer's cache tensor, e.g. ``key_caches_3_rank1.device1``.
+
+    ``kind`` is one of ``key_caches``, ``value_caches``, ``key_cache_scales``, ``value_cache_scales``.
+    """
+    return f"{kind}_{layer}_rank{rank}.device{device_id}"
+
+
+# Signal names (DESIGN §3.5); the suffix is the engine_worker_queue_port.
+CACHE_READY_SIGNAL = "cache_ready_signal"
+SWAP_SPACE_READY_SIGNAL = "swap_space_ready_signal"
+CACHE_TRANSFER_INITED_SIGNAL = "cache_transfer_inited_signal"
+WORKER_HEALTHY_LIVE_SIGNAL = "worker_healthy_live_signal"
+KV_CACHE_STATUS_SIGNAL = "kv_cache_status"
+PER_RANK_SIGNALS = (CACHE_READY_SIGNAL, SWAP_SPACE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL)

@@ -1,0 +1,443 @@
+"""The CacheTransferManager process: one per tensor-parallel rank.
+
+    python -m cache_manager.cache_transfer_manager --rank 0 --mp_num 2 --num_layers 4 \\
+        --key_cache_shape 256,8,64,128 --value_cache_shape 256,8,64,128 --num_cpu_blocks 512 \\
+        --cache_queue_port 8600 --engine_worker_queue_port 8700 ...
+
+Start-up: check every flag (a bad value exits non-zero naming the flag, before anything
+is attached), wait for ``cache_ready_signal[rank]`` with a timeout, attach every layer's
+device caches (extra speculative layers and fp8 scales included), allocate host swap
+space, set ``swap_space_ready_signal``, join the EngineCacheQueue and set
+``cache_transfer_inited_signal``.  Then serve: tasks go to one thread pool per kind and
+each rank sends its own result.  The process exits by itself when the engine is gone
+(its parent or ``--engine_pid`` died, or ``worker_healthy_live_signal`` is older than
+``FD_CACHE_PROC_EXIT_TIMEOUT`` seconds), and cleanly on SIGTERM.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+import ops
+from ops.shm import SharedMemorySegment, unlink_segments
+
+from . import wire
+from .cache_data import (
+    CACHE_READY_SIGNAL,
+    CACHE_TRANSFER_INITED_SIGNAL,
+    PER_RANK_SIGNALS,
+    SWAP_SPACE_READY_SIGNAL,
+    WORKER_HEALTHY_LIVE_SIGNAL,
+    KV_CACHE_STATUS_SIGNAL,
+    CacheStatus,
+    cache_name,
+)
+from .cache_tasks import ControlTask, RankResult, SwapTask, TaskFormatError, task_from_wire
+from .engine_cache_queue import EngineCacheQueueClient
+from .ipc_signal import IPCSignal, signal_segment_name
+
+STORAGE_BACKENDS = ("mooncake", "file", "attention_store", "ems", "none")
+CACHE_DTYPES = ("uint8", "bfloat16", "block_wise_fp8")
+EXIT_TIMEOUT_ENV = "FD_CACHE_PROC_EXIT_TIMEOUT"
+
+
+# ------------------------------------------------------------------ flags
+def _shape(text: str) -> list[int]:
+    if text in ("", "none", "None"):
+        return []
+    try:
+        dims = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N,H,B,D (comma-separated integers)") from None
+    if len(dims) != 4 or any(d <= 0 for d in dims):
+        raise argparse.ArgumentTypeError(f"{text!r} must be 4 positive integers N,H,B,D")
+    return dims
+
+
+def _json(text: str) -> dict:
+    try:
+        value = json.loads(text) if text else {}
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _nonneg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must not be negative")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _nonneg(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _nonneg(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port")
+    return value
+
+
+def _flag(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser("cache_transfer_manager", description="KV-cache transfer manager for one TP rank")
+    p.add_argument("--splitwise_role", default="mixed", choices=["mixed", "prefill", "decode"])
+    p.add_argument("--rank", type=_nonneg, default=0)
+    p.add_argument("--device_id", type=_nonneg, default=0)
+    p.add_argument("--max_model_len", type=_positive, default=8192)
+    p.add_argument("--num_layers", type=_positive, default=1)
+    p.add_argument("--mp_num", type=_positive, default=1)
+    p.add_argument("--cache_dtype", default="bfloat16", choices=CACHE_DTYPES)
+    p.add_argument("--default_dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--key_cache_shape", type=_shape, required=True, help="N,H,B,D")
+    p.add_argument("--value_cache_shape", type=_shape, default=[], help="N,H,B,D; empty for MLA")
+    p.add_argument("--cache_queue_port", type=_port, required=True)
+    p.add_argument("--enable_splitwise", type=_flag, default=False)
+    p.add_argument("--pod_ip", default="127.0.0.1")
+    p.add_argument("--engine_worker_queue_port", type=_port, required=True)
+    p.add_argument("--num_cpu_blocks", type=_nonneg, default=0)
+    p.add_argument("--protocol", default="ipc", choices=["ipc", "rdma", "ipc,rdma"])
+    p.add_argument("--local_data_parallel_id", type=_nonneg, default=0)
+    p.add_argument("--rdma_port", default="")
+    p.add_argument("--speculative_config", type=_json, default={})
+    p.add_argument("--create_cache_tensor", type=_flag, nargs="?", const=True, default=False,
+                   help="FastDeploy compatibility only: a CTM never allocates device caches")
+    p.add_argument("--kvcache_storage_backend", default="none", choices=STORAGE_BACKENDS)
+    p.add_argument("--write_policy", default="write_through", choices=["write_through", "none"])
+    p.add_argument("--model_path", default="")
+    # this project's own
+    p.add_argument("--platform", default=os.environ.get("CTM_PLATFORM", "cpu"), choices=sorted(ops.PLATFORMS))
+    p.add_argument("--ipc_instance", default=None, help="instance id in CPU segment names (default: engine_worker_queue_port)")
+    p.add_argument("--engine_pid", type=_positive, default=None, help="exit when this process is gone (default: the parent)")
+    p.add_argument("--attach_timeout", type=float, default=120.0, help="seconds to wait for cache_ready_signal")
+    p.add_argument("--log_dir", default=os.environ.get("CTM_LOG_DIR", "log"))
+    p.add_argument("--swap_threads", type=_positive, default=1, help="workers per swap direction")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rank >= args.mp_num:
+        parser.error(f"argument --rank: {args.rank} must be below --mp_num {args.mp_num}")
+    spec = args.speculative_config
+    extra = spec.get("num_extra_cache_layer", 0)
+    ratio = spec.get("num_gpu_block_expand_ratio", 1)
+    if not isinstance(extra, int) or extra < 0:
+        parser.error(f"argument --speculative_config: num_extra_cache_layer {extra!r} must be a non-negative integer")
+    if not isinstance(ratio, (int, float)) or ratio <= 0:
+        parser.error(f"argument --speculative_config: num_gpu_block_expand_ratio {ratio!r} must be positive")
+    if args.value_cache_shape and args.value_cache_shape[0] != args.key_cache_shape[0]:
+        parser.error(f"argument --value_cache_shape: {args.value_cache_shape[0]} blocks, "
+                     f"--key_cache_shape has {args.key_cache_shape[0]}")
+    if args.attach_timeout <= 0:
+        parser.error(f"argument --attach_timeout: {args.attach_timeout} must be positive")
+    return args
+
+
+# ------------------------------------------------------------------ caches
+@dataclass
+class CacheGroup:
+    """One kind of per-layer cache (K, V or a scale) of every layer, and its host swap space."""
+
+    kind: str
+    tensors: list[Any]
+    host_ptrs: list[int] = field(default_factory=list)
+
+
+def rank_logger(rank: int, log_dir: str) -> logging.Logger:
+    log = logging.getLogger(f"ctm.rank{rank}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    os.makedirs(log_dir, exist_ok=True)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s rank" + str(rank) + " %(threadName)s: %(message)s")
+    handler = logging.FileHandler(os.path.join(log_dir, f"cache_transfer_manager_rank{rank}.log"))
+    handler.setFormatter(fmt)
+    log.addHandler(handler)
+    err = logging.StreamHandler(sys.stderr)
+    err.setLevel(logging.WARNING)
+    err.setFormatter(fmt)
+    log.addHandler(err)
+    for name in ("cache_manager", "ops"):  # library modules log through the rank's handlers
+        lib = logging.getLogger(name)
+        lib.setLevel(logging.INFO)
+        lib.handlers = log.handlers
+    return log
+
+
+class EngineGone(Exception):
+    pass
+
+
+class CacheTransferManager:
+    def __init__(self, args: argparse.Namespace, log: logging.Logger):
+        self.args = args
+        self.log = log
+        self.rank = args.rank
+        self.instance = args.ipc_instance or str(args.engine_worker_queue_port)
+        self.platform = ops.get_platform(args.platform, **({"instance": self.instance} if args.platform == "cpu" else {}))
+        ops.use_platform(self.platform)
+        self.parent_pid = os.getppid()
+        self.stop_event = threading.Event()
+        self.groups: list[CacheGroup] = []
+        self.signals: dict[str, IPCSignal] = {}
+        self.pools: dict[str, ThreadPoolExecutor] = {}
+        self.queue: EngineCacheQueueClient | None = None
+        self.recv_seq = 0
+        self.exit_timeout = float(os.environ.get(EXIT_TIMEOUT_ENV, "30"))
+
+    # -- start-up -------------------------------------------------------------
+    def _attach_signal(self, name: str, shape: int) -> IPCSignal:
+        sig = IPCSignal(name, np.zeros(shape, np.int32), suffix=self.args.engine_worker_queue_port)
+        self.signals[name] = sig
+        return sig
+
+    def _wait_cache_ready(self) -> None:
+        deadline = time.monotonic() + self.args.attach_timeout
+        name = signal_segment_name(CACHE_READY_SIGNAL, self.args.engine_worker_queue_port)
+        while True:
+            self._check_engine()
+            try:
+                sig = self.signals.get(CACHE_READY_SIGNAL) or self._attach_signal(CACHE_READY_SIGNAL, self.args.mp_num)
+                if sig.value[self.rank] == 1:
+                    return
+            except FileNotFoundError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cache_ready_signal ({name}) not set for rank {self.rank} "
+                                   f"within {self.args.attach_timeout}s")
+            if self.stop_event.wait(0.05):
+                raise EngineGone("stopped while waiting for caches")
+
+    def _layer_blocks(self) -> list[int]:
+        spec = self.args.speculative_config
+        n = self.args.key_cache_shape[0]
+        extra = spec.get("num_extra_cache_layer", 0)
+        extra_blocks = int(n * spec.get("num_gpu_block_expand_ratio", 1))
+        return [n] * self.args.num_layers + [extra_blocks] * extra
+
+    def _attach_caches(self) -> None:
+        import paddle
+
+        a = self.args
+        fp8 = a.cache_dtype == "block_wise_fp8"
+        cache_dtype = "uint8" if fp8 else a.cache_dtype
+        kinds = [("key_caches", a.key_cache_shape, cache_dtype)]
+        if a.value_cache_shape:
+            kinds.append(("value_caches", a.value_cache_shape, cache_dtype))
+        if fp8:
+            kinds.append(("key_cache_scales", a.key_cache_shape[:3], a.default_dtype))
+            if a.value_cache_shape:
+                kinds.append(("value_cache_scales", a.value_cache_shape[:3], a.default_dtype))
+        for kind, shape, dtype in kinds:
+            template = paddle.empty([], dtype=dtype)
+            tensors = [
+                self.platform.share_external_data_(template, cache_name(kind, layer, self.rank, a.device_id),
+                                                   [blocks] + list(shape[1:]))
+                for layer, blocks in enumerate(self._layer_blocks())
+            ]
+            self.groups.append(CacheGroup(kind, tensors))
+        self.log.info("attached %d cache kinds x %d layers", len(self.groups), len(self._layer_blocks()))
+
+    def _alloc_swap_space(self) -> None:
+        n = self.args.num_cpu_blocks
+        if n == 0:
+            return
+        total = 0
+        for g in self.groups:
+            t = g.tensors[0]
+            block_bytes = int(np.prod(t.shape[1:])) * t.element_size()
+            g.host_ptrs = [self.platform.host_alloc(n * block_bytes) for _ in g.tensors]
+            total += n * block_bytes * len(g.tensors)
+        self.log.info("allocated %.1f MiB of host swap space (%d blocks)", total / 2**20, n)
+
+    def start(self) -> None:
+        a = self.args
+        self.platform.set_device(a.device_id)
+        self._wait_cache_ready()
+        self._attach_caches()
+        self._alloc_swap_space()
+        self._attach_signal(SWAP_SPACE_READY_SIGNAL, a.mp_num).value[self.rank] = 1
+        self._attach_signal(WORKER_HEALTHY_LIVE_SIGNAL, 1)
+        self.queue = EngineCacheQueueClient(self.rank, a.mp_num, wire.load_secret(),
+                                            f"tcp://{a.pod_ip}:{a.cache_queue_port}", hello_timeout=a.attach_timeout)
+        init = lambda: self.platform.set_device(a.device_id)  # noqa: E731  (device binding is per thread)
+        for kind, workers in (("swap_to_cpu", a.swap_threads), ("swap_to_gpu", a.swap_threads),
+                              ("read_storage", 1), ("write_storage", 1), ("control", 1)):
+            self.pools[kind] = ThreadPoolExecutor(workers, thread_name_prefix=kind, initializer=init)
+        self._attach_signal(CACHE_TRANSFER_INITED_SIGNAL, a.mp_num).value[self.rank] = 1
+        self.log.info("ready: rank %d of %d, pid %d", self.rank, a.mp_num, os.getpid())
+
+    # -- liveness ---------------------------------------------------------------
+    def _check_engine(self) -> None:
+        engine_pid = self.args.engine_pid
+        if engine_pid is not None:
+            if not _pid_alive(engine_pid):
+                raise EngineGone(f"engine process {engine_pid} is gone")
+        elif os.getppid() != self.parent_pid:
+            raise EngineGone(f"parent process {self.parent_pid} is gone")
+        heartbeat = self.signals.get(WORKER_HEALTHY_LIVE_SIGNAL)
+        if heartbeat is not None:
+            last = int(heartbeat.value[0])
+            if last > 0 and time.time() - last > self.exit_timeout:
+                raise EngineGone(f"worker_healthy_live_signal is {time.time() - last:.0f}s old "
+                                 f"(> {EXIT_TIMEOUT_ENV}={self.exit_timeout:g})")
+
+    # -- serving ----------------------------------------------------------------
+    def serve(self) -> None:
+        assert self.queue is not None
+        while not self.stop_event.is_set():
+            for wire_task in self.queue.poll(1000):
+                self._dispatch(wire_task)
+            self._check_engine()
+
+    def _dispatch(self, wire_task: dict) -> None:
+        seq = self.recv_seq
+        self.recv_seq += 1
+        task_id = wire_task.get("task_id") if isinstance(wire_task, dict) else None
+        task_id = task_id if isinstance(task_id, str) else "?"
+        try:
+            task = task_from_wire(wire_task)
+        except TaskFormatError as exc:
+            self.log.error("task %s refused: %s", task_id, exc)
+            self.queue.send_result(RankResult(task_id, self.rank, False, error=str(exc), recv_seq=seq))
+            return
+        if isinstance(task, SwapTask):
+            kind = "swap_to_cpu" if task.event_type == CacheStatus.SWAP2CPU else "swap_to_gpu"
+            self._submit(kind, task.task_id, seq, lambda: self._swap(task))
+        elif isinstance(task, ControlTask):
+            self._submit("control", task.task_id, seq, lambda: self._control(task))
+        else:
+            self._submit("read_storage" if task.event_type == CacheStatus.STORAGE2GPU else "write_storage",
+                         task.task_id, seq, lambda: self._storage(task))
+
+    def _submit(self, pool: str, task_id: str, seq: int, fn: Callable[[], Any]) -> None:
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                value = fn()
+                result = RankResult(task_id, self.rank, True, value=value, recv_seq=seq)
+            except Exception as exc:  # the task fails; the CTM keeps serving
+                self.log.error("task %s failed: %s: %s", task_id, type(exc).__name__, exc)
+                result = RankResult(task_id, self.rank, False, error=f"{type(exc).__name__}: {exc}", recv_seq=seq)
+            result.elapsed_ms = (time.perf_counter() - t0) * 1e3
+            self.queue.send_result(result)
+
+        self.pools[pool].submit(run)
+
+    def _swap(self, task: SwapTask) -> None:
+        if self.args.num_cpu_blocks == 0:
+            raise ValueError("this CTM has no host swap space (--num_cpu_blocks 0)")
+        mode = ops.DEVICE_TO_HOST if task.event_type == CacheStatus.SWAP2CPU else ops.HOST_TO_DEVICE
+        for g in self.groups:
+            self.platform.swap_cache_all_layers(g.tensors, g.host_ptrs, self.args.num_cpu_blocks, task.gpu_block_ids,
+                                                task.cpu_block_ids, self.args.device_id, mode)
+
+    def _control(self, task: ControlTask) -> Any:
+        if task.command == "ping":
+            return {"pid": os.getpid(), "rank": self.rank}
+        if task.command == "sleep":  # lets tests hold a task in flight
+            time.sleep(min(float(task.args.get("seconds", 0)), 60.0))
+            return None
+        raise ValueError(f"unknown control command {task.command!r}")
+
+    def _storage(self, task: Any) -> Any:
+        raise ValueError(f"no storage backend configured (--kvcache_storage_backend {self.args.kvcache_storage_backend})")
+
+    # -- shutdown ---------------------------------------------------------------
+    def close(self, engine_gone: bool) -> None:
+        for pool in self.pools.values():
+            pool.shutdown(wait=True, cancel_futures=True)
+        if self.queue is not None:
+            self.queue.flush()
+            self.queue.close()
+        for g in self.groups:
+            for ptr in g.host_ptrs:
+                self.platform.host_free(ptr)
+            for layer, t in enumerate(g.tensors):
+                self.platform.unset_data_ipc(t, cache_name(g.kind, layer, self.rank, self.args.device_id), True, False)
+        for sig in self.signals.values():
+            sig.close()
+        if engine_gone and self.args.platform == "cpu":
+            self._remove_orphans()
+
+    def _remove_orphans(self) -> None:
+        """The engine died without cleaning up, and nobody else can: unlink its segments.
+
+        Attached processes never unlink while the engine lives; once it is gone, every
+        rank removes what the engine left (idempotent, and mappings stay valid)."""
+        suffix = self.args.engine_worker_queue_port
+        removed = unlink_segments(self.platform.segment_prefix)
+        for name in PER_RANK_SIGNALS + (WORKER_HEALTHY_LIVE_SIGNAL, KV_CACHE_STATUS_SIGNAL):
+            SharedMemorySegment.unlink_name(signal_segment_name(name, suffix))
+        self.log.warning("engine gone: removed its %d cache segments and its signals", len(removed))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log = rank_logger(args.rank, args.log_dir)
+    try:
+        wire.load_secret()
+    except (ValueError, OSError) as exc:
+        log.error("%s", exc)
+        return 2
+    ctm = CacheTransferManager(args, log)
+    signal.signal(signal.SIGTERM, lambda *_: ctm.stop_event.set())
+    signal.signal(signal.SIGINT, lambda *_: ctm.stop_event.set())
+    engine_gone = False
+    code = 0
+    try:
+        ctm.start()
+        ctm.serve()
+        log.info("stopping on request")
+    except EngineGone as exc:
+        log.warning("exiting: %s", exc)
+        engine_gone = True
+    except Exception:
+        log.exception("fatal error")
+        code = 1
+    finally:
+        ctm.close(engine_gone)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

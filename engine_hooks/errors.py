@@ -1,0 +1,38 @@
+"""Errors an engine sees from the CTM service.  Each names the task and the ranks involved."""
+from __future__ import annotations
+
+
+class CacheServiceError(Exception):
+    """Base of every error the service raises or sets on a future."""
+
+
+class StartupError(CacheServiceError):
+    """A rank did not become ready; the message names it and carries the tail of its log."""
+
+
+class ServiceClosed(CacheServiceError):
+    """The service was shut down while the task was pending, or before it was submitted."""
+
+
+class TaskFailedError(CacheServiceError):
+    """One or more ranks ran the task and reported an error."""
+
+    def __init__(self, task_id: str, failures: dict[int, str]):
+        self.task_id = task_id
+        self.failures = dict(sorted(failures.items()))
+        detail = "; ".join(f"rank {r}: {reason}" for r, reason in self.failures.items())
+        super().__init__(f"task {task_id} failed on {detail}")
+
+
+class TaskTimeoutError(CacheServiceError, TimeoutError):
+    def __init__(self, task_id: str, missing: list[int], timeout: float):
+        self.task_id = task_id
+        self.missing_ranks = sorted(missing)
+        super().__init__(f"task {task_id} timed out after {timeout:g}s; no answer from ranks {self.missing_ranks}")
+
+
+class RankDiedError(CacheServiceError):
+    def __init__(self, task_id: str, rank: int, detail: str):
+        self.task_id = task_id
+        self.rank = rank
+        super().__init__(f"task {task_id} failed: rank {rank} {detail}")

@@ -1,0 +1,438 @@
+"""CacheTransferService: the engine's handle on its CTM processes.
+
+    from engine_hooks import CacheSpec, CacheTransferService
+
+    spec = CacheSpec(num_layers=4, num_blocks=256, kv_heads=8, block_size=64, head_dim=128)
+    with CacheTransferService(spec, tp=2, num_cpu_blocks=512) as svc:
+        svc.swap_to_cpu(gpu_block_ids=[3, 4], cpu_block_ids=[0, 1]).result()
+        svc.swap_to_gpu(gpu_block_ids=[7, 8], cpu_block_ids=[0, 1]).result()
+
+``start()`` creates and exports every rank's device caches, creates the IPC signals and
+the queue server, launches one CTM per rank with FastDeploy's flags and waits for all
+of them (a rank that fails is named, with the tail of its log).  Every task returns a
+``concurrent.futures.Future`` that resolves when every rank has answered:
+
+* with the task's result (DESIGN §3.3) when all ranks succeeded;
+* with ``TaskFailedError`` naming each failing rank and its reason;
+* with ``TaskTimeoutError`` naming the ranks that did not answer in time;
+* with ``RankDiedError`` at once when a rank's process dies (``restart_rank`` brings it back).
+
+``shutdown()`` stops the CTMs (SIGTERM, then SIGKILL), closes the queue and unlinks every
+segment; the service is also a context manager.  A supervisor thread enforces the
+deadlines, watches the processes and writes the heartbeat signal.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import select
+import socket
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+import ops
+from cache_manager import wire
+from cache_manager.cache_data import (
+    CACHE_READY_SIGNAL,
+    CACHE_TRANSFER_INITED_SIGNAL,
+    KV_CACHE_STATUS_SIGNAL,
+    SWAP_SPACE_READY_SIGNAL,
+    WORKER_HEALTHY_LIVE_SIGNAL,
+    CacheStatus,
+)
+from cache_manager.cache_tasks import RankResult
+from cache_manager.engine_cache_queue import EngineCacheQueueServer
+from cache_manager.ipc_signal import IPCSignal
+from ops.shm import unlink_segments
+
+from .device_caches import CacheSpec, DeviceCaches
+from .errors import RankDiedError, ServiceClosed, StartupError, TaskFailedError, TaskTimeoutError
+from .launcher import RankProcess, launch
+
+logger = logging.getLogger(__name__)
+
+_SUPERVISOR_TICK = 0.05
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _id_list(ids: Any, what: str) -> list[int]:
+    """Block ids as plain ints for the wire; a float or other non-integer is refused here."""
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"{what} must hold integers, got dtype {ids.dtype}")
+        return ids.astype(np.int64).tolist()
+    out = []
+    for v in ids:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{what}: block id {v!r} is not an integer")
+        out.append(int(v))
+    return out
+
+
+@dataclass
+class _Pending:
+    task: dict
+    future: Future
+    deadline: float
+    timeout: float
+    results: dict[int, RankResult] = field(default_factory=dict)
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class CacheTransferService:
+    def __init__(
+        self,
+        spec: CacheSpec,
+        tp: int = 1,
+        num_cpu_blocks: int = 0,
+        *,
+        platform: str = "cpu",
+        device_ids: Sequence[int] | None = None,
+        log_dir: str | None = None,
+        pod_ip: str = "127.0.0.1",
+        engine_worker_queue_port: int = 0,
+        cache_queue_port: int = 0,
+        max_model_len: int = 8192,
+        task_timeout: float = 30.0,
+        ready_timeout: float = 120.0,
+        stop_grace: float = 5.0,
+        extra_flags: dict[str, object] | None = None,
+        extra_env: dict[str, str] | None = None,
+    ):
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp {tp!r} must be a positive integer")
+        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks {num_cpu_blocks!r} must be a non-negative integer")
+        self.spec = spec
+        self.tp = tp
+        self.num_cpu_blocks = num_cpu_blocks
+        self.platform_name = platform
+        self.device_ids = list(device_ids) if device_ids is not None else list(range(tp))
+        if len(self.device_ids) != tp:
+            raise ValueError(f"device_ids has {len(self.device_ids)} entries for tp {tp}")
+        self.pod_ip = pod_ip
+        self.port = engine_worker_queue_port or free_port(pod_ip)
+        self.cache_queue_port = cache_queue_port
+        self.max_model_len = max_model_len
+        self.task_timeout = task_timeout
+        self.ready_timeout = ready_timeout
+        self.stop_grace = stop_grace
+        self.extra_flags = dict(extra_flags or {})
+        self.extra_env = dict(extra_env or {})
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix=f"ctm-logs-{self.port}-")
+        self.instance = str(self.port)
+
+        self.platform = ops.get_platform(platform, **({"instance": self.instance} if platform == "cpu" else {}))
+        self.caches: DeviceCaches | None = None
+        self.signals: dict[str, IPCSignal] = {}
+        self.server: EngineCacheQueueServer | None = None
+        self.procs: dict[int, RankProcess] = {}
+        self._dead: dict[int, str] = {}
+        self._secret = wire.new_secret()
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._closed = False
+        self._started = False
+        self.latencies_ms: list[float] = []
+
+    # ------------------------------------------------------------------ start
+    def __enter__(self) -> "CacheTransferService":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def start(self) -> "CacheTransferService":
+        if self._started:
+            raise RuntimeError("the service is already started")
+        self._started = True
+        atexit.register(self.shutdown)
+        try:
+            self._create_signals()
+            self.caches = DeviceCaches(self.platform, self.spec, self.tp, self.device_ids)
+            for rank in range(self.tp):
+                self.caches.create_rank(rank)
+                self.signals[CACHE_READY_SIGNAL].value[rank] = 1
+            self.server = EngineCacheQueueServer(self.tp, self._secret, host=self.pod_ip, port=self.cache_queue_port,
+                                                 on_result=self._on_result, on_unreachable=self._on_unreachable)
+            self.cache_queue_port = self.server.port
+            self._beat()
+            for rank in range(self.tp):
+                self.procs[rank] = self._launch(rank)
+            self._wait_ready(list(range(self.tp)))
+            self._supervisor = threading.Thread(target=self._supervise, name="ctm-supervisor", daemon=True)
+            self._supervisor.start()
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("CTM service ready: tp=%d, queue %s", self.tp, self.server.address)
+        return self
+
+    def _create_signals(self) -> None:
+        zeros = np.zeros(self.tp, np.int32)
+        for name in (CACHE_READY_SIGNAL, SWAP_SPACE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL):
+            self.signals[name] = IPCSignal(name, zeros, suffix=self.port, create=True)
+        self.signals[WORKER_HEALTHY_LIVE_SIGNAL] = IPCSignal(WORKER_HEALTHY_LIVE_SIGNAL, np.zeros(1, np.int32),
+                                                             suffix=self.port, create=True)
+        self.signals[KV_CACHE_STATUS_SIGNAL] = IPCSignal(KV_CACHE_STATUS_SIGNAL, np.zeros(1, np.int32),
+                                                         suffix=self.port, create=True)
+
+    def ctm_flags(self, rank: int) -> dict[str, object]:
+        """The command-line flags of rank ``rank``'s CTM (FastDeploy's, plus the platform's)."""
+        s = self.spec
+        value_shape = "" if s.mla else ",".join(map(str, s.cache_shape))
+        flags: dict[str, object] = {
+            "splitwise_role": "mixed", "rank": rank, "device_id": self.device_ids[rank],
+            "max_model_len": self.max_model_len, "num_layers": s.num_layers, "mp_num": self.tp,
+            "cache_dtype": s.cache_dtype, "default_dtype": s.default_dtype,
+            "key_cache_shape": ",".join(map(str, s.cache_shape)), "value_cache_shape": value_shape,
+            "cache_queue_port": self.cache_queue_port, "pod_ip": self.pod_ip,
+            "engine_worker_queue_port": self.port, "num_cpu_blocks": self.num_cpu_blocks,
+            "platform": self.platform_name, "log_dir": self.log_dir, "engine_pid": os.getpid(),
+            "attach_timeout": self.ready_timeout,
+        }
+        if s.speculative_config():
+            import json
+
+            flags["speculative_config"] = json.dumps(s.speculative_config())
+        flags.update(self.extra_flags)
+        return flags
+
+    def _launch(self, rank: int) -> RankProcess:
+        env = {wire.SECRET_ENV: self._secret.hex(), **self.extra_env}
+        return launch(rank, self.ctm_flags(rank), self.log_dir, env)
+
+    def _wait_ready(self, ranks: list[int]) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        inited = self.signals[CACHE_TRANSFER_INITED_SIGNAL]
+        waiting = set(ranks)
+        while waiting:
+            for rank in sorted(waiting):
+                proc = self.procs[rank]
+                if inited.value[rank] == 1 and rank in self.server.registered_ranks():
+                    waiting.discard(rank)
+                elif not proc.alive():
+                    raise StartupError(f"CTM {proc.describe_failure()}")
+            if waiting and time.monotonic() > deadline:
+                details = "\n".join(self.procs[r].describe_failure() for r in sorted(waiting))
+                raise StartupError(f"ranks {sorted(waiting)} not ready within {self.ready_timeout:g}s:\n{details}")
+            if waiting:
+                time.sleep(0.02)
+
+    # ------------------------------------------------------------------ tasks
+    def submit(self, task: dict, timeout: float | None = None) -> Future:
+        """Broadcast a wire task to every rank; the future resolves when all have answered."""
+        timeout = self.task_timeout if timeout is None else float(timeout)
+        if not timeout > 0:
+            raise ValueError(f"timeout {timeout!r} must be positive")
+        task = dict(task)
+        task.setdefault("task_id", f"t{next(self._ids)}")
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        with self._lock:
+            if self._closed or self.server is None:
+                future.set_exception(ServiceClosed("the CTM service is not running"))
+                return future
+            if task["task_id"] in self._pending:
+                raise ValueError(f"task id {task['task_id']!r} is already pending")
+            dead = dict(self._dead)
+            if dead:
+                rank, detail = min(dead.items())
+                future.set_exception(RankDiedError(task["task_id"], rank, detail))
+                return future
+            self._pending[task["task_id"]] = _Pending(task, future, time.monotonic() + timeout, timeout)
+            self.server.broadcast(task)
+        return future
+
+    def _swap(self, event: CacheStatus, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any,
+              timeout: float | None) -> Future:
+        gpu = _id_list(gpu_block_ids, "gpu_block_ids")
+        cpu = _id_list(cpu_block_ids, "cpu_block_ids")
+        nodes = _id_list(swap_node_ids if swap_node_ids is not None else [], "swap_node_ids")
+        return self.submit({"event_type": int(event), "swap_node_ids": nodes, "gpu_block_ids": gpu,
+                            "cpu_block_ids": cpu}, timeout)
+
+    def swap_to_cpu(self, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any = None,
+                    timeout: float | None = None) -> Future:
+        """Copy device blocks to host swap space on every rank.  Result:
+        ``(event_type, task_id, swap_node_ids, gpu_block_ids, cpu_block_ids)``."""
+        return self._swap(CacheStatus.SWAP2CPU, gpu_block_ids, cpu_block_ids, swap_node_ids, timeout)
+
+    def swap_to_gpu(self, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any = None,
+                    timeout: float | None = None) -> Future:
+        """Copy host swap blocks back into device blocks on every rank; same result shape."""
+        return self._swap(CacheStatus.SWAP2GPU, gpu_block_ids, cpu_block_ids, swap_node_ids, timeout)
+
+    def control(self, command: str, timeout: float | None = None, **args: Any) -> Future:
+        """A CTRL task (``ping``, ``sleep``); resolves to each rank's answer, in rank order."""
+        return self.submit({"event_type": int(CacheStatus.CTRL), "command": command, "args": args}, timeout)
+
+    # ------------------------------------------------------------------ results (queue I/O thread)
+    def _on_result(self, result: RankResult) -> None:
+        with self._lock:
+            pending = self._pending.get(result.task_id)
+            if pending is None:
+                return  # already failed (timeout or a dead rank): a late answer changes nothing
+            pending.results[result.rank] = result
+            if len(pending.results) < self.tp:
+                return
+            del self._pending[result.task_id]
+        self.latencies_ms.append((time.perf_counter() - pending.submitted) * 1e3)
+        failures = {r: res.error or "failed" for r, res in pending.results.items() if not res.ok}
+        if failures:
+            pending.future.set_exception(TaskFailedError(result.task_id, failures))
+        else:
+            pending.future.set_result(self._aggregate(pending))
+
+    def _aggregate(self, pending: _Pending) -> Any:
+        task = pending.task
+        event = task.get("event_type")
+        if event in (CacheStatus.SWAP2CPU, CacheStatus.SWAP2GPU):
+            return (event, task["task_id"], task["swap_node_ids"], task["gpu_block_ids"], task["cpu_block_ids"])
+        return [pending.results[r].value for r in range(self.tp)]
+
+    def _on_unreachable(self, task_id: str, rank: int) -> None:
+        self._fail_task(task_id, RankDiedError(task_id, rank, "is not connected to the queue"))
+
+    def _fail_task(self, task_id: str, error: Exception) -> None:
+        with self._lock:
+            pending = self._pending.pop(task_id, None)
+        if pending is not None:
+            pending.future.set_exception(error)
+
+    # ------------------------------------------------------------------ supervision
+    def _beat(self) -> None:
+        self.signals[WORKER_HEALTHY_LIVE_SIGNAL].value[0] = int(time.time())
+
+    def _supervise(self) -> None:
+        last_beat = 0.0
+        while not self._stop.is_set():
+            pidfds = self._pidfds()
+            if pidfds:
+                select.select(list(pidfds), [], [], _SUPERVISOR_TICK)
+            else:
+                self._stop.wait(_SUPERVISOR_TICK)
+            for fd in pidfds:
+                os.close(fd)
+            now = time.monotonic()
+            if now - last_beat >= 1.0:
+                self._beat()
+                last_beat = now
+            for rank, proc in list(self.procs.items()):
+                if not proc.alive() and rank not in self._dead:
+                    self._rank_died(rank, proc)
+            self._expire(now)
+
+    def _pidfds(self) -> dict[int, int]:
+        fds = {}
+        if not hasattr(os, "pidfd_open"):
+            return fds
+        for rank, proc in list(self.procs.items()):
+            if rank in self._dead:
+                continue
+            try:
+                fds[os.pidfd_open(proc.pid)] = rank
+            except OSError:
+                pass  # already reaped: the alive() check below sees it
+        return fds
+
+    def _rank_died(self, rank: int, proc: RankProcess) -> None:
+        code = proc.popen.poll()
+        detail = f"(pid {proc.pid}) died ({'signal ' + str(-code) if code is not None and code < 0 else f'exit code {code}'})"
+        logger.error("CTM rank %d %s; failing every pending task", rank, detail)
+        with self._lock:
+            self._dead[rank] = detail
+            failed = list(self._pending.items())
+            self._pending.clear()
+        if self.server is not None:
+            self.server.forget_rank(rank)
+        for task_id, pending in failed:
+            pending.future.set_exception(RankDiedError(task_id, rank, detail))
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            expired = [(tid, p) for tid, p in self._pending.items() if p.deadline <= now]
+            for tid, _ in expired:
+                del self._pending[tid]
+        for tid, p in expired:
+            missing = sorted(set(range(self.tp)) - set(p.results))
+            p.future.set_exception(TaskTimeoutError(tid, missing, p.timeout))
+
+    def restart_rank(self, rank: int) -> None:
+        """Replace rank ``rank``'s CTM (dead or alive) with a fresh one; its host swap space starts empty."""
+        if not 0 <= rank < self.tp:
+            raise ValueError(f"rank {rank} is not in 0..{self.tp - 1}")
+        old = self.procs.get(rank)
+        if old is not None:
+            old.stop(self.stop_grace)
+        if self.server is not None:
+            self.server.forget_rank(rank)
+        for name in (SWAP_SPACE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL):
+            self.signals[name].value[rank] = 0
+        with self._lock:
+            self._dead[rank] = "is restarting"
+        # wait until the old connection is forgotten before the new one says hello
+        deadline = time.monotonic() + 5.0
+        while rank in self.server.registered_ranks() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.procs[rank] = self._launch(rank)
+        self._wait_ready([rank])
+        with self._lock:
+            self._dead.pop(rank, None)
+        logger.info("rank %d restarted as pid %d", rank, self.procs[rank].pid)
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self) -> None:
+        """Stop the CTMs, close the queue, unlink every segment.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending.values())
+            self._pending.clear()
+        atexit.unregister(self.shutdown)
+        for p in pending:
+            p.future.set_exception(ServiceClosed(f"task {p.task.get('task_id')} cancelled: the service shut down"))
+        self._stop.set()
+        if self._supervisor is not None:
+            self._supervisor.join(5.0)
+        for proc in self.procs.values():
+            proc.stop(self.stop_grace)
+        if self.server is not None:
+            self.server.close()
+        if self.caches is not None:
+            self.caches.close()
+        for sig in self.signals.values():
+            sig.clear()
+        self.signals.clear()
+        if self.platform_name == "cpu":
+            leftovers = unlink_segments(self.platform.segment_prefix)
+            if leftovers:
+                logger.warning("removed %d leftover segments: %s", len(leftovers), leftovers[:5])
+        logger.info("CTM service shut down")
+
+    # ------------------------------------------------------------------ inspection
+    def pids(self) -> dict[int, int]:
+        return {rank: proc.pid for rank, proc in self.procs.items()}
+
+    def device_cache(self, rank: int, kind: str, layer: int) -> Any:
+        """The engine's tensor for one rank's cache (what the model runner would hold)."""
+        assert self.caches is not None
+        return self.caches.tensors[rank][kind][layer]
