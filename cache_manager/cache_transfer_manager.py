@@ -171,6 +171,7 @@ class CacheGroup:
     kind: str
     tensors: list[Any]
     host_ptrs: list[int] = field(default_factory=list)
+    swap_plan: Any = None  # checked once at start-up, reused by every swap task
 
 
 def rank_logger(rank: int, log_dir: str) -> logging.Logger:
@@ -276,6 +277,7 @@ class CacheTransferManager:
             t = g.tensors[0]
             block_bytes = int(np.prod(t.shape[1:])) * t.element_size()
             g.host_ptrs = [self.platform.host_alloc(n * block_bytes) for _ in g.tensors]
+            g.swap_plan = self.platform.plan_all_layers(g.tensors, g.host_ptrs, n)
             total += n * block_bytes * len(g.tensors)
         self.log.info("allocated %.1f MiB of host swap space (%d blocks)", total / 2**20, n)
 
@@ -286,7 +288,10 @@ class CacheTransferManager:
         self._attach_caches()
         self._alloc_swap_space()
         self._attach_signal(SWAP_SPACE_READY_SIGNAL, a.mp_num).value[self.rank] = 1
-        self._attach_signal(WORKER_HEALTHY_LIVE_SIGNAL, 1)
+        try:
+            self._attach_signal(WORKER_HEALTHY_LIVE_SIGNAL, 1)
+        except FileNotFoundError:
+            self.log.warning("no %s signal: watching the engine process only", WORKER_HEALTHY_LIVE_SIGNAL)
         self.queue = EngineCacheQueueClient(self.rank, a.mp_num, wire.load_secret(),
                                             f"tcp://{a.pod_ip}:{a.cache_queue_port}", hello_timeout=a.attach_timeout)
         init = lambda: self.platform.set_device(a.device_id)  # noqa: E731  (device binding is per thread)
@@ -358,14 +363,14 @@ class CacheTransferManager:
             raise ValueError("this CTM has no host swap space (--num_cpu_blocks 0)")
         mode = ops.DEVICE_TO_HOST if task.event_type == CacheStatus.SWAP2CPU else ops.HOST_TO_DEVICE
         for g in self.groups:
-            self.platform.swap_cache_all_layers(g.tensors, g.host_ptrs, self.args.num_cpu_blocks, task.gpu_block_ids,
-                                                task.cpu_block_ids, self.args.device_id, mode)
+            self.platform.run_plan(g.swap_plan, task.gpu_block_ids, task.cpu_block_ids, mode)
 
     def _control(self, task: ControlTask) -> Any:
         if task.command == "ping":
             return {"pid": os.getpid(), "rank": self.rank}
-        if task.command == "sleep":  # lets tests hold a task in flight
-            time.sleep(min(float(task.args.get("seconds", 0)), 60.0))
+        if task.command == "sleep":  # holds a task in flight (tests, diagnostics); optionally on one rank
+            if task.args.get("rank", self.rank) == self.rank:
+                self.stop_event.wait(min(float(task.args.get("seconds", 0)), 60.0))
             return None
         raise ValueError(f"unknown control command {task.command!r}")
 
@@ -419,13 +424,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
+    import paddle  # noqa: F401  (paddle installs fatal-error signal handlers on import: ours must come after)
+
     ctm = CacheTransferManager(args, log)
-    signal.signal(signal.SIGTERM, lambda *_: ctm.stop_event.set())
-    signal.signal(signal.SIGINT, lambda *_: ctm.stop_event.set())
+
+    def install_handlers() -> None:
+        signal.signal(signal.SIGTERM, lambda *_: ctm.stop_event.set())
+        signal.signal(signal.SIGINT, lambda *_: ctm.stop_event.set())
+
+    install_handlers()
     engine_gone = False
     code = 0
     try:
         ctm.start()
+        install_handlers()  # in case attaching initialised more of paddle
         ctm.serve()
         log.info("stopping on request")
     except EngineGone as exc:

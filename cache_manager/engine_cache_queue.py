@@ -3,9 +3,11 @@
 The engine hosts the server (one ZMQ ROUTER socket, one I/O thread); each CTM rank is
 a client (a DEALER socket).  Contracts:
 
-* **Order and once-only.** ``broadcast`` stamps each task with a sequence number and the
-  I/O thread sends it to every registered rank in that order; a ROUTER-to-DEALER link
-  keeps order, so every rank receives every task once, in the same order.
+* **Order and once-only.** ``broadcast`` stamps each task with a sequence number and sends
+  it, under one lock, to every registered rank; a ROUTER-to-DEALER link keeps order, so
+  every rank receives every task once, in the same order.  Tasks leave from the
+  submitting thread on a socket of their own (no hand-off to the I/O thread); results
+  come back on each rank's worker threads' own sockets.
 * **Results.** A rank's ``send_result`` reaches the server's ``on_result`` callback.  A
   result is accepted only from the connection that registered that rank.
 * **Barriers.** ``barrier(name, value, timeout)`` returns ``(True, min of all values)``
@@ -109,7 +111,6 @@ class EngineCacheQueueServer:
         host: str = "127.0.0.1",
         port: int = 0,
         on_result: Callable[[RankResult], None] | None = None,
-        on_unreachable: Callable[[str, int], None] | None = None,
         on_rank_joined: Callable[[int, int], None] | None = None,
     ):
         if num_ranks < 1:
@@ -117,7 +118,6 @@ class EngineCacheQueueServer:
         self.num_ranks = num_ranks
         self._secret = secret
         self._on_result = on_result or (lambda r: None)
-        self._on_unreachable = on_unreachable or (lambda task_id, rank: None)
         self._on_rank_joined = on_rank_joined or (lambda rank, pid: None)
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -129,8 +129,17 @@ class EngineCacheQueueServer:
             self._router.bind(f"tcp://{host}:{port}")
             self.port = port
         self.host = host
+        # Tasks go out on a second socket, owned by whichever thread holds _send_lock.
+        self._tasks = self._ctx.socket(zmq.ROUTER)
+        _socket_options(self._tasks)
+        self._tasks.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._tasks.setsockopt(zmq.RCVHWM, 1000)  # only hellos come in here: bound what a flood can queue
+        self.task_port = self._tasks.bind_to_random_port(f"tcp://{host}")
+        self._send_lock = threading.Lock()
         self._waker = _Waker(self._ctx)
-        self._identities: dict[int, bytes] = {}
+        self._identities: dict[int, bytes] = {}  # rank -> control connection
+        self._task_identities: dict[int, bytes] = {}  # rank -> task connection
+        self._pids: dict[int, int] = {}
         self._rank_of: dict[bytes, int] = {}
         self._lock = threading.Lock()
         self._seq = itertools.count()
@@ -147,16 +156,68 @@ class EngineCacheQueueServer:
         return f"tcp://{self.host}:{self.port}"
 
     def registered_ranks(self) -> set[int]:
+        """Ranks whose control and task connections are both registered."""
+        self.pump()
         with self._lock:
-            return set(self._identities)
+            return set(self._identities) & set(self._task_identities)
 
-    def broadcast(self, task: dict) -> None:
-        """Queue ``task`` (a wire dict with a ``task_id``) for every rank, after all earlier ones."""
-        self._waker.put(("task", task))
+    def broadcast(self, task: dict) -> list[int]:
+        """Send ``task`` (a wire dict with a ``task_id``) to every rank, after all earlier ones.
+
+        Returns the ranks it could not reach (not registered, or disconnected)."""
+        with self._send_lock:
+            self._pump_locked()
+            frame = wire.encode({"type": "task", "seq": next(self._seq), "task": task}, self._secret)
+            with self._lock:
+                targets = dict(self._task_identities)
+            unreachable = []
+            for rank in range(self.num_ranks):
+                identity = targets.get(rank)
+                try:
+                    if identity is None:
+                        raise zmq.ZMQError(zmq.EHOSTUNREACH)
+                    self._tasks.send_multipart([identity, frame], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    unreachable.append(rank)
+            return unreachable
+
+    def pump(self) -> None:
+        """Register task connections that said hello (the supervisor calls this periodically)."""
+        with self._send_lock:
+            self._pump_locked()
+
+    def _pump_locked(self) -> None:
+        if self._tasks.closed:
+            return
+        for _ in range(1000):
+            try:
+                frames = self._tasks.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity, peer = frames[0], repr(frames[0][:40])
+            if len(frames) != 2:
+                self._drop(f"{len(frames) - 1} frames on the task port", peer)
+                continue
+            try:
+                body = wire.decode(frames[1], self._secret)
+            except wire.BadFrame as exc:
+                self._drop(f"task port: {exc}", peer)
+                continue
+            rank, pid = body.get("rank"), body.get("pid")
+            with self._lock:
+                if body["type"] != "hello" or body.get("channel") != "tasks" or self._pids.get(rank) != pid:
+                    self._drop(f"task port: unexpected {body['type']!r} for rank {rank!r} pid {pid!r}", peer)
+                    continue
+                self._task_identities[rank] = identity
 
     def forget_rank(self, rank: int) -> None:
         """The engine knows this rank's process is gone: stop sending to it."""
-        self._waker.put(("forget", rank))
+        with self._lock:
+            self._identities.pop(rank, None)
+            self._task_identities.pop(rank, None)
+            self._pids.pop(rank, None)
+            for identity in [i for i, r in self._rank_of.items() if r == rank]:
+                del self._rank_of[identity]
 
     @property
     def dropped_frames(self) -> int:
@@ -169,6 +230,8 @@ class EngineCacheQueueServer:
         if self._thread.is_alive():
             logger.error("queue I/O thread did not stop within %.1fs", timeout)
             return
+        with self._send_lock:
+            self._tasks.close(0)
         self._waker.close()
         self._router.close(0)
         self._ctx.term()
@@ -189,11 +252,7 @@ class EngineCacheQueueServer:
         while not self._stop.is_set():
             events = dict(poller.poll(self._poll_timeout_ms()))
             if self._waker.pull in events:
-                for kind, item in self._waker.drain():
-                    if kind == "task":
-                        self._send_task(item)
-                    elif kind == "forget":
-                        self._forget(item)
+                self._waker.drain()  # only ever rung to stop the loop
             if self._router in events:
                 for _ in range(1000):  # bounded batch, then service the doorbell again
                     try:
@@ -208,21 +267,6 @@ class EngineCacheQueueServer:
             return _POLL_MS
         soonest = min(b["deadline"] for b in self._barriers.values())
         return max(0, min(_POLL_MS, int((soonest - time.monotonic()) * 1000) + 1))
-
-    def _send_task(self, task: dict) -> None:
-        body = {"type": "task", "seq": next(self._seq), "task": task}
-        with self._lock:
-            targets = dict(self._identities)
-        for rank in range(self.num_ranks):
-            identity = targets.get(rank)
-            if identity is None or not self._send(identity, body):
-                self._on_unreachable(task.get("task_id", "?"), rank)
-
-    def _forget(self, rank: int) -> None:
-        with self._lock:
-            identity = self._identities.pop(rank, None)
-            if identity is not None:
-                self._rank_of.pop(identity, None)
 
     def _handle(self, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -256,14 +300,22 @@ class EngineCacheQueueServer:
         if not isinstance(rank, int) or not 0 <= rank < self.num_ranks or not isinstance(pid, int):
             self._drop(f"hello with bad rank {rank!r} or pid {pid!r}", peer)
             return
-        with self._lock:
-            old = self._identities.get(rank)
-            if old is not None:
-                self._rank_of.pop(old, None)
+        if body.get("channel") == "results":  # a worker thread's own socket: results only, no tasks
+            with self._lock:
+                if self._pids.get(rank) == pid:
+                    self._rank_of[identity] = rank
+                    return
+            self._drop(f"result channel of rank {rank} from pid {pid}, which is not that rank's process", peer)
+            return
+        with self._lock:  # a new process replaces every connection of the rank's old one
+            for old in [i for i, r in self._rank_of.items() if r == rank]:
+                del self._rank_of[old]
+            self._task_identities.pop(rank, None)
             self._identities[rank] = identity
+            self._pids[rank] = pid
             self._rank_of[identity] = rank
         logger.info("rank %d (pid %d) joined", rank, pid)
-        self._send(identity, {"type": "welcome", "rank": rank})
+        self._send(identity, {"type": "welcome", "rank": rank, "task_port": self.task_port})
         self._on_rank_joined(rank, pid)
 
     def _result(self, rank: int, body: dict, peer: str) -> None:
@@ -315,7 +367,8 @@ class EngineCacheQueueServer:
 
 class EngineCacheQueueClient:
     """One rank's end.  ``poll`` must be called from a single owner thread; ``send_result``
-    and ``barrier`` may be called from any other thread."""
+    and ``barrier`` may be called from any thread (each sending thread gets its own
+    authenticated result socket)."""
 
     def __init__(self, rank: int, num_ranks: int, secret: bytes, address: str, hello_timeout: float = 30.0):
         self.rank = rank
@@ -327,14 +380,18 @@ class EngineCacheQueueClient:
         self._sock.setsockopt(zmq.ROUTING_ID, f"rank{rank}.{os.getpid()}".encode())
         self._sock.connect(address)
         self._waker = _Waker(self._ctx)
+        self._task_sock: zmq.Socket | None = None
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._waker.pull, zmq.POLLIN)
+        self._address = address
+        self._local = threading.local()
+        self._channels: list[zmq.Socket] = []
+        self._channels_lock = threading.Lock()
         self._barrier_waits: dict[str, tuple[threading.Event, list]] = {}
         self._barrier_lock = threading.Lock()
         self._drop = _DropLog(logger)
         self._next_seq = None
-        self._pending_tasks: list[dict] = []
         self._handshake(address, hello_timeout)
 
     def _handshake(self, address: str, timeout: float) -> None:
@@ -344,14 +401,20 @@ class EngineCacheQueueClient:
             if not self._sock.poll(int(max(1, (deadline - time.monotonic()) * 1000))):
                 continue
             body = self._decode(self._sock.recv())
-            if body is None:
-                continue
-            if body["type"] == "welcome":
+            if body is not None and body["type"] == "welcome" and isinstance(body.get("task_port"), int):
+                self._open_task_channel(address.rsplit(":", 1)[0], body["task_port"])
                 return
-            if body["type"] == "task":  # tasks broadcast just after we registered
-                self._pending_tasks.append(body)
         self.close()
         raise TimeoutError(f"rank {self.rank}: no answer from the engine cache queue at {address} within {timeout}s")
+
+    def _open_task_channel(self, host: str, port: int) -> None:
+        self._task_sock = self._ctx.socket(zmq.DEALER)
+        _socket_options(self._task_sock)
+        self._task_sock.setsockopt(zmq.ROUTING_ID, f"rank{self.rank}.{os.getpid()}.t".encode())
+        self._task_sock.connect(f"{host}:{port}")
+        self._task_sock.send(wire.encode({"type": "hello", "rank": self.rank, "pid": os.getpid(), "channel": "tasks"},
+                                         self._secret))
+        self._poller.register(self._task_sock, zmq.POLLIN)
 
     def _decode(self, frame: bytes) -> dict | None:
         try:
@@ -362,24 +425,17 @@ class EngineCacheQueueClient:
 
     def poll(self, timeout_ms: int = _POLL_MS) -> list[dict]:
         """Block up to ``timeout_ms`` for tasks; returns their wire dicts in broadcast order."""
-        tasks, self._pending_tasks = self._pending_tasks, []
-        events = dict(self._poller.poll(0 if tasks else timeout_ms))
+        tasks = []
+        events = dict(self._poller.poll(timeout_ms))
         if self._waker.pull in events:
             for frame in self._waker.drain():
                 self._sock.send(frame)
         if self._sock in events:
-            while True:
-                try:
-                    frame = self._sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                body = self._decode(frame)
-                if body is None:
-                    continue
-                if body["type"] == "task":
-                    tasks.append(body)
-                elif body["type"] == "barrier_done":
+            for body in self._recv_all(self._sock):
+                if body["type"] == "barrier_done":
                     self._release_barrier(body)
+        if self._task_sock is not None and self._task_sock in events:
+            tasks = [body for body in self._recv_all(self._task_sock) if body["type"] == "task"]
         out = []
         for body in tasks:
             seq = body.get("seq")
@@ -389,8 +445,32 @@ class EngineCacheQueueClient:
             out.append(body["task"])
         return out
 
+    def _recv_all(self, sock: zmq.Socket) -> list[dict]:
+        out = []
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            body = self._decode(frame)
+            if body is not None:
+                out.append(body)
+
     def send_result(self, result: RankResult) -> None:
-        self._waker.put(wire.encode({"type": "result", **asdict(result)}, self._secret))
+        """Send from the calling thread's own socket: no hand-off to the poll thread on the hot path."""
+        channel = getattr(self._local, "channel", None)
+        if channel is None:
+            channel = self._ctx.socket(zmq.DEALER)
+            _socket_options(channel)
+            with self._channels_lock:
+                n = len(self._channels)
+                self._channels.append(channel)
+            channel.setsockopt(zmq.ROUTING_ID, f"rank{self.rank}.{os.getpid()}.r{n}".encode())
+            channel.connect(self._address)
+            channel.send(wire.encode({"type": "hello", "rank": self.rank, "pid": os.getpid(), "channel": "results"},
+                                     self._secret))
+            self._local.channel = channel
+        channel.send(wire.encode({"type": "result", **asdict(result)}, self._secret))
 
     def barrier(self, name: str, value: int = 0, timeout: float = 30.0) -> tuple[bool, int | None]:
         """Wait until every rank reaches ``name``; returns (ok, min of values).  Not from the poll thread."""
@@ -419,7 +499,12 @@ class EngineCacheQueueClient:
         for frame in self._waker.drain():
             self._sock.send(frame)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 1000) -> None:
+        """Close every socket; call after the threads that sent results have stopped."""
+        for channel in self._channels:
+            channel.close(linger_ms)  # let the last results leave
         self._waker.close()
+        if self._task_sock is not None:
+            self._task_sock.close(0)
         self._sock.close(0)
         self._ctx.term()

@@ -17,6 +17,9 @@ of them (a rank that fails is named, with the tail of its log).  Every task retu
 * with ``TaskTimeoutError`` naming the ranks that did not answer in time;
 * with ``RankDiedError`` at once when a rank's process dies (``restart_rank`` brings it back).
 
+A resolved future also carries ``rank_results``: each rank's ``RankResult`` (its receive
+order, its time), for diagnostics.
+
 ``shutdown()`` stops the CTMs (SIGTERM, then SIGKILL), closes the queue and unlinks every
 segment; the service is also a context manager.  A supervisor thread enforces the
 deadlines, watches the processes and writes the heartbeat signal.
@@ -171,7 +174,7 @@ class CacheTransferService:
                 self.caches.create_rank(rank)
                 self.signals[CACHE_READY_SIGNAL].value[rank] = 1
             self.server = EngineCacheQueueServer(self.tp, self._secret, host=self.pod_ip, port=self.cache_queue_port,
-                                                 on_result=self._on_result, on_unreachable=self._on_unreachable)
+                                                 on_result=self._on_result)
             self.cache_queue_port = self.server.port
             self._beat()
             for rank in range(self.tp):
@@ -258,7 +261,9 @@ class CacheTransferService:
                 future.set_exception(RankDiedError(task["task_id"], rank, detail))
                 return future
             self._pending[task["task_id"]] = _Pending(task, future, time.monotonic() + timeout, timeout)
-            self.server.broadcast(task)
+        unreachable = self.server.broadcast(task)
+        if unreachable:
+            self._fail_task(task["task_id"], RankDiedError(task["task_id"], unreachable[0], "is not connected to the queue"))
         return future
 
     def _swap(self, event: CacheStatus, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any,
@@ -295,6 +300,7 @@ class CacheTransferService:
                 return
             del self._pending[result.task_id]
         self.latencies_ms.append((time.perf_counter() - pending.submitted) * 1e3)
+        pending.future.rank_results = dict(sorted(pending.results.items()))  # type: ignore[attr-defined]
         failures = {r: res.error or "failed" for r, res in pending.results.items() if not res.ok}
         if failures:
             pending.future.set_exception(TaskFailedError(result.task_id, failures))
@@ -307,9 +313,6 @@ class CacheTransferService:
         if event in (CacheStatus.SWAP2CPU, CacheStatus.SWAP2GPU):
             return (event, task["task_id"], task["swap_node_ids"], task["gpu_block_ids"], task["cpu_block_ids"])
         return [pending.results[r].value for r in range(self.tp)]
-
-    def _on_unreachable(self, task_id: str, rank: int) -> None:
-        self._fail_task(task_id, RankDiedError(task_id, rank, "is not connected to the queue"))
 
     def _fail_task(self, task_id: str, error: Exception) -> None:
         with self._lock:
@@ -334,6 +337,7 @@ class CacheTransferService:
             now = time.monotonic()
             if now - last_beat >= 1.0:
                 self._beat()
+                self.server.pump()  # registers task connections, drains anything else sent there
                 last_beat = now
             for rank, proc in list(self.procs.items()):
                 if not proc.alive() and rank not in self._dead:

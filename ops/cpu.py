@@ -24,11 +24,9 @@ from .dtypes import CacheDtype, cache_dtype
 from .layout import (
     CopyPlan,
     HostAllocations,
-    all_layers_plan,
     block_ids,
     check_mode,
     check_same_length,
-    layout_plan,
     tensor_info,
 )
 from .platform import DEVICE_TO_HOST, BlockIds, Platform
@@ -128,6 +126,13 @@ class CpuPlatform(Platform):
                     return alloc, ptr - base
         raise ValueError(f"tensor at {ptr:#x} is not device memory of this platform (use empty())")
 
+    def raw_view(self, tensor: Any) -> np.ndarray:
+        """A writable uint8 ``[num_blocks, block_bytes]`` view of a device tensor's bytes (no copy)."""
+        info = tensor_info(tensor, "tensor")
+        alloc, offset = self._allocation_of(info.ptr)
+        view = np.frombuffer(alloc.segment.buf, dtype=np.uint8, count=info.nbytes, offset=offset)
+        return view.reshape(info.shape[0], -1)
+
     # -- IPC ---------------------------------------------------------------
     def set_data_ipc(self, tensor: Any, name: str) -> None:
         info = tensor_info(tensor, f"tensor exported as {name!r}")
@@ -216,7 +221,11 @@ class CpuPlatform(Platform):
         return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
 
     # -- copies ------------------------------------------------------------
-    def _run(self, plan: CopyPlan, device_ids: BlockIds, host_ids: BlockIds, mode: int) -> int:
+    @property
+    def host_allocations(self) -> HostAllocations:
+        return self._hosts
+
+    def run_plan(self, plan: CopyPlan, device_ids: BlockIds, host_ids: BlockIds, mode: int) -> int:
         mode = check_mode(mode)
         dev = block_ids(device_ids, "device_block_ids")
         host = block_ids(host_ids, "host_block_ids")
@@ -231,18 +240,6 @@ class CpuPlatform(Platform):
             dst.bases, dst.capacities, dst.stride, dst_ids, dst.name,
             plan.block_bytes, self.copy_threads,
         )
-
-    def swap_cache_all_layers(self, caches, host_ptrs, num_cpu_blocks, device_block_ids, host_block_ids,
-                              device_id, mode) -> None:
-        self.set_device(device_id)
-        plan = all_layers_plan(caches, host_ptrs, num_cpu_blocks, self._hosts)
-        self._run(plan, device_block_ids, host_block_ids, mode)
-
-    def swap_cache_layout(self, caches, host_base_ptr, cache_shape, device_block_ids, host_block_ids,
-                          device_id, mode) -> None:
-        self.set_device(device_id)
-        plan = layout_plan(caches, host_base_ptr, cache_shape, self._hosts)
-        self._run(plan, device_block_ids, host_block_ids, mode)
 
     def memory_allocated(self, device_id: int | None = None) -> int:
         with self._lock:

@@ -42,11 +42,9 @@ from .layout import (
     CopyPlan,
     HostAllocations,
     Side,
-    all_layers_plan,
     block_ids,
     check_mode,
     check_same_length,
-    layout_plan,
     tensor_info,
 )
 from .platform import DEVICE_TO_HOST, BlockIds, Platform
@@ -284,7 +282,11 @@ class NpuPlatform(Platform):
         return self._hosts.total()
 
     # -- copies ------------------------------------------------------------
-    def _run(self, plan: CopyPlan, device_ids: BlockIds, host_ids: BlockIds, mode: int) -> int:
+    @property
+    def host_allocations(self) -> HostAllocations:
+        return self._hosts
+
+    def run_plan(self, plan: CopyPlan, device_ids: BlockIds, host_ids: BlockIds, mode: int) -> int:
         mode = check_mode(mode)
         dev = block_ids(device_ids, "device_block_ids")
         host = block_ids(host_ids, "host_block_ids")
@@ -308,20 +310,6 @@ class NpuPlatform(Platform):
                 check_acl(self._acl.rt.memcpy(daddr, dend - daddr, sbase + s * src.stride, n * bb, kind),
                           f"acl.rt.memcpy({src.name}->{dst.name}, layer {layer})")
         return len(runs) * len(src.bases)
-
-    def swap_cache_all_layers(self, caches: Sequence[Any], host_ptrs: Sequence[int], num_cpu_blocks: int,
-                              device_block_ids: BlockIds, host_block_ids: BlockIds, device_id: int,
-                              mode: int) -> None:
-        self.set_device(device_id)
-        plan = all_layers_plan(caches, host_ptrs, num_cpu_blocks, self._hosts)
-        self._run(plan, device_block_ids, host_block_ids, mode)
-
-    def swap_cache_layout(self, caches: Sequence[Any], host_base_ptr: int, cache_shape: Sequence[int],
-                          device_block_ids: BlockIds, host_block_ids: BlockIds, device_id: int,
-                          mode: int) -> None:
-        self.set_device(device_id)
-        plan = layout_plan(caches, host_base_ptr, cache_shape, self._hosts)
-        self._run(plan, device_block_ids, host_block_ids, mode)
 
     def memory_allocated(self, device_id: int | None = None) -> int:
         with self._lock:

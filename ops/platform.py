@@ -41,7 +41,10 @@ destination block listed twice is refused.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from .layout import CopyPlan, HostAllocations
 
 BlockIds = Sequence[int]
 
@@ -78,7 +81,28 @@ class Platform(ABC):
     @abstractmethod
     def host_free(self, ptr: int) -> None: ...
 
+    # -- block copies: a plan is checked once, then run many times ------------------
+    @property
     @abstractmethod
+    def host_allocations(self) -> "HostAllocations":
+        """The bookkeeping of ``host_alloc`` that bounds-checks host pointers."""
+
+    @abstractmethod
+    def run_plan(self, plan: "CopyPlan", device_block_ids: BlockIds, host_block_ids: BlockIds, mode: int) -> int:
+        """Copy the listed blocks of a checked plan; checks ids and mode first.  Returns the copy count."""
+
+    def plan_all_layers(self, caches: Sequence[Any], host_ptrs: Sequence[int], num_cpu_blocks: int) -> "CopyPlan":
+        """The checked plan of ``swap_cache_all_layers``; a CTM builds it once and reuses it per task."""
+        from .layout import all_layers_plan
+
+        return all_layers_plan(caches, host_ptrs, num_cpu_blocks, self.host_allocations)
+
+    def plan_layout(self, caches: Sequence[Any], host_base_ptr: int, cache_shape: Sequence[int]) -> "CopyPlan":
+        """The checked plan of ``swap_cache_layout``."""
+        from .layout import layout_plan
+
+        return layout_plan(caches, host_base_ptr, cache_shape, self.host_allocations)
+
     def swap_cache_all_layers(
         self,
         caches: Sequence[Any],
@@ -88,9 +112,10 @@ class Platform(ABC):
         host_block_ids: BlockIds,
         device_id: int,
         mode: int,
-    ) -> None: ...
+    ) -> None:
+        self.set_device(device_id)
+        self.run_plan(self.plan_all_layers(caches, host_ptrs, num_cpu_blocks), device_block_ids, host_block_ids, mode)
 
-    @abstractmethod
     def swap_cache_layout(
         self,
         caches: Sequence[Any],
@@ -100,7 +125,9 @@ class Platform(ABC):
         host_block_ids: BlockIds,
         device_id: int,
         mode: int,
-    ) -> None: ...
+    ) -> None:
+        self.set_device(device_id)
+        self.run_plan(self.plan_layout(caches, host_base_ptr, cache_shape), device_block_ids, host_block_ids, mode)
 
     @abstractmethod
     def memory_allocated(self, device_id: int | None = None) -> int: ...

@@ -14,12 +14,10 @@ quiet_paddle()
 import numpy as np  # noqa: E402
 
 from ops.cpu import CpuPlatform  # noqa: E402
-from ops.layout import tensor_info  # noqa: E402
 
 
 def raw(platform: CpuPlatform, tensor) -> np.ndarray:
-    info = tensor_info(tensor, "cache")
-    return np.frombuffer(platform._allocation_of(info.ptr)[0].segment.buf, dtype=np.uint8, count=info.nbytes)
+    return platform.raw_view(tensor).reshape(-1)
 
 
 def main() -> int:

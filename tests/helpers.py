@@ -14,7 +14,5 @@ def cache_bytes(tensor) -> np.ndarray:
 
 def fill_random(platform, tensor, rng: np.random.Generator) -> None:
     """Overwrite a cache tensor allocated by the CPU platform with random bytes, in place."""
-    alloc, offset = platform._allocation_of(int(tensor.data_ptr()))
-    nbytes = int(np.prod(tensor.shape)) * tensor.element_size()
-    view = np.frombuffer(alloc.segment.buf, dtype=np.uint8, count=nbytes, offset=offset)
-    view[:] = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    view = platform.raw_view(tensor)
+    view[:] = rng.integers(0, 256, view.shape, dtype=np.uint8)

@@ -1,0 +1,176 @@
+"""EngineCacheQueue in one process: order, barriers with timeouts, authentication, the wire format."""
+import threading
+import time
+
+import msgpack
+import pytest
+
+from cache_manager import wire
+from cache_manager.cache_tasks import RankResult
+from cache_manager.engine_cache_queue import EngineCacheQueueClient, EngineCacheQueueServer
+
+SECRET = b"s" * 32
+
+
+class Rank:
+    """A client with its own poll thread, recording every task it receives."""
+
+    def __init__(self, rank: int, n: int, server: EngineCacheQueueServer):
+        self.client = EngineCacheQueueClient(rank, n, SECRET, server.address, hello_timeout=10)
+        self.tasks: list[dict] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            self.tasks.extend(self.client.poll(50))
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+        self.client.close()
+
+
+@pytest.fixture
+def queue():
+    results = []
+    server = EngineCacheQueueServer(2, SECRET, on_result=results.append)
+    ranks = [Rank(r, 2, server) for r in range(2)]
+    deadline = time.monotonic() + 10
+    while server.registered_ranks() != {0, 1} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield server, ranks, results
+    for r in ranks:
+        r.close()
+    server.close()
+
+
+def wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_every_rank_gets_every_task_once_in_order(queue):
+    server, ranks, _ = queue
+    senders = [threading.Thread(target=lambda k=k: [server.broadcast({"task_id": f"{k}-{i}"}) for i in range(100)])
+               for k in range(3)]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join()
+    assert wait_for(lambda: all(len(r.tasks) == 300 for r in ranks))
+    time.sleep(0.1)
+    ids = [[t["task_id"] for t in r.tasks] for r in ranks]
+    assert ids[0] == ids[1]
+    assert len(set(ids[0])) == 300
+    for k in range(3):  # each sender's tasks keep their order
+        mine = [i for i in ids[0] if i.startswith(f"{k}-")]
+        assert mine == [f"{k}-{i}" for i in range(100)]
+
+
+def test_results_come_back_from_any_thread(queue):
+    server, ranks, results = queue
+    workers = [threading.Thread(target=ranks[r].client.send_result, args=(RankResult(f"x{r}", r, True, value=r),))
+               for r in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert wait_for(lambda: len(results) == 2)
+    assert sorted((r.task_id, r.rank, r.value) for r in results) == [("x0", 0, 0), ("x1", 1, 1)]
+
+
+def test_a_result_cannot_claim_another_rank(queue):
+    server, ranks, results = queue
+    ranks[0].client.send_result(RankResult("forged", 1, True))
+    ranks[0].client.send_result(RankResult("honest", 0, True))
+    assert wait_for(lambda: len(results) == 1)
+    time.sleep(0.2)
+    assert [r.task_id for r in results] == ["honest"]
+
+
+def test_barrier_reduces_to_the_minimum(queue):
+    _, ranks, _ = queue
+    out = {}
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, ranks[r].client.barrier("b1", 10 - r * 3, 5)))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert out == {0: (True, 7), 1: (True, 7)}
+
+
+def test_barrier_timeout_fails_every_rank_and_they_carry_on(queue):
+    _, ranks, _ = queue
+    t0 = time.monotonic()
+    assert ranks[0].client.barrier("late", 1, timeout=0.3) == (False, None)
+    assert time.monotonic() - t0 < 3
+    assert ranks[1].client.barrier("late", 1, timeout=0.3) == (False, None)  # arrives after the failure: fails too
+    out = {}
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, ranks[r].client.barrier("next", r, 5)))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert out == {0: (True, 0), 1: (True, 0)}
+
+
+def test_a_client_without_the_secret_cannot_join():
+    server = EngineCacheQueueServer(1, SECRET)
+    try:
+        with pytest.raises(TimeoutError, match="no answer from the engine cache queue"):
+            EngineCacheQueueClient(0, 1, b"x" * 32, server.address, hello_timeout=0.5)
+        assert server.registered_ranks() == set()
+        assert server.dropped_frames >= 1
+    finally:
+        server.close()
+
+
+def test_broadcast_reports_ranks_it_cannot_reach():
+    server = EngineCacheQueueServer(2, SECRET)
+    try:
+        assert server.broadcast({"task_id": "t"}) == [0, 1]
+    finally:
+        server.close()
+
+
+def test_wire_refuses_tampering_and_foreign_frames():
+    frame = wire.encode({"type": "task", "n": 1}, SECRET)
+    assert wire.decode(frame, SECRET) == {"type": "task", "n": 1}
+    tampered = bytearray(frame)
+    tampered[len(wire.HEADER) + 2] ^= 1
+    cases = {
+        "authentication failed": bytes(tampered),
+        "bad magic": b"XXXX" + frame[4:],
+        "protocol version": wire.MAGIC + bytes([9]) + frame[5:],
+        "short frame": frame[:10],
+        "oversized": b"x" * (wire.MAX_FRAME_BYTES + 1),
+    }
+    for reason, bad in cases.items():
+        with pytest.raises(wire.BadFrame, match=reason):
+            wire.decode(bad, SECRET)
+    not_a_map = wire.HEADER + msgpack.packb([1, 2])
+    import hashlib
+    import hmac
+
+    with pytest.raises(wire.BadFrame, match="not a map"):
+        wire.decode(not_a_map + hmac.new(SECRET, not_a_map, hashlib.sha256).digest(), SECRET)
+    with pytest.raises(ValueError, match="exceeds"):
+        wire.encode({"type": "x", "blob": b"y" * wire.MAX_FRAME_BYTES}, SECRET)
+
+
+def test_secret_file_must_be_private(tmp_path, monkeypatch):
+    path = tmp_path / "secret"
+    path.write_bytes(b"k" * 32)
+    path.chmod(0o644)
+    monkeypatch.delenv(wire.SECRET_ENV, raising=False)
+    monkeypatch.setenv(wire.SECRET_FILE_ENV, str(path))
+    with pytest.raises(ValueError, match="readable by its owner only"):
+        wire.load_secret()
+    path.chmod(0o600)
+    assert wire.load_secret() == b"k" * 32
