@@ -33,21 +33,22 @@ def new_secret() -> bytes:
 
 
 def load_secret() -> bytes:
-    """The engine's shared secret, from ``CTM_QUEUE_SECRET`` (hex) or the 0600 file ``CTM_QUEUE_SECRET_FILE``."""
+    """The engine's shared secret, as hex in ``CTM_QUEUE_SECRET`` or in the 0600 file ``CTM_QUEUE_SECRET_FILE``."""
     if os.environ.get(SECRET_ENV):
-        try:
-            secret = bytes.fromhex(os.environ[SECRET_ENV])
-        except ValueError:
-            raise ValueError(f"{SECRET_ENV} must be hex") from None
+        text, source = os.environ[SECRET_ENV], SECRET_ENV
     elif os.environ.get(SECRET_FILE_ENV):
         path = os.environ[SECRET_FILE_ENV]
         mode = os.stat(path).st_mode & 0o777
         if mode & 0o077:
             raise ValueError(f"{SECRET_FILE_ENV} {path} has mode {mode:o}; it must be readable by its owner only")
-        with open(path, "rb") as f:
-            secret = f.read().strip()
+        with open(path) as f:
+            text, source = f.read(), f"{SECRET_FILE_ENV} {path}"
     else:
         raise ValueError(f"no queue secret: set {SECRET_ENV} or {SECRET_FILE_ENV}")
+    try:
+        secret = bytes.fromhex(text.strip())
+    except ValueError:
+        raise ValueError(f"{source} must hold the secret as hex") from None
     if len(secret) < 16:
         raise ValueError("the queue secret must be at least 16 bytes")
     return secret

@@ -123,7 +123,7 @@ def test_ctm_from_the_command_line_attaches_and_serves(tmp_path):
     platform = CpuPlatform(instance=str(port))
     secret = wire.new_secret()
     secret_file = tmp_path / "secret"
-    secret_file.write_bytes(secret)
+    secret_file.write_text(secret.hex() + "\n")
     secret_file.chmod(0o600)
     results: list[RankResult] = []
     sigs = {name: IPCSignal(name, np.zeros(1, np.int32), suffix=port, create=True)

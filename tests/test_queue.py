@@ -166,7 +166,7 @@ def test_wire_refuses_tampering_and_foreign_frames():
 
 def test_secret_file_must_be_private(tmp_path, monkeypatch):
     path = tmp_path / "secret"
-    path.write_bytes(b"k" * 32)
+    path.write_text((b"k" * 32).hex() + "\n")
     path.chmod(0o644)
     monkeypatch.delenv(wire.SECRET_ENV, raising=False)
     monkeypatch.setenv(wire.SECRET_FILE_ENV, str(path))
@@ -174,3 +174,6 @@ def test_secret_file_must_be_private(tmp_path, monkeypatch):
         wire.load_secret()
     path.chmod(0o600)
     assert wire.load_secret() == b"k" * 32
+    path.write_text("not hex")
+    with pytest.raises(ValueError, match="must hold the secret as hex"):
+        wire.load_secret()
