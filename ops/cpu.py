@@ -21,15 +21,8 @@ import numpy as np
 
 from . import _block_copy
 from .dtypes import CacheDtype, cache_dtype
-from .layout import (
-    CopyPlan,
-    HostAllocations,
-    block_ids,
-    check_mode,
-    check_same_length,
-    tensor_info,
-)
-from .platform import DEVICE_TO_HOST, BlockIds, Platform
+from .layout import CopyPlan, HostAllocations, orient, tensor_info
+from .platform import BlockIds, Platform
 from .shm import SharedMemorySegment
 
 logger = logging.getLogger(__name__)
@@ -211,39 +204,19 @@ class CpuPlatform(Platform):
         nbytes = self._hosts.pop(ptr)
         _block_copy.host_free(ptr, nbytes)
 
-    def host_buffer(self, ptr: int, nbytes: int) -> np.ndarray:
-        """A uint8 numpy view of host memory from host_alloc (bounds-checked)."""
-        room = self._hosts.room(ptr, "host pointer")
-        if nbytes < 0 or nbytes > room:
-            raise ValueError(f"host view of {nbytes} bytes at {ptr:#x} exceeds its allocation ({room} bytes left)")
-        import ctypes
-
-        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
-
     # -- copies ------------------------------------------------------------
     @property
     def host_allocations(self) -> HostAllocations:
         return self._hosts
 
     def run_plan(self, plan: CopyPlan, device_ids: BlockIds, host_ids: BlockIds, mode: int) -> int:
-        mode = check_mode(mode)
-        dev = block_ids(device_ids, "device_block_ids")
-        host = block_ids(host_ids, "host_block_ids")
-        check_same_length(dev, host)
-        d, h = plan.device, plan.host
-        if mode == DEVICE_TO_HOST:
-            src, dst, src_ids, dst_ids = d, h, dev, host
-        else:
-            src, dst, src_ids, dst_ids = h, d, host, dev
+        c = orient(plan, device_ids, host_ids, mode)  # the kernel checks ranges and duplicates itself
         return _block_copy.copy_blocks(
-            src.bases, src.capacities, src.stride, src_ids, src.name,
-            dst.bases, dst.capacities, dst.stride, dst_ids, dst.name,
+            c.src.bases, c.src.capacities, c.src.stride, c.src_ids, c.src.name,
+            c.dst.bases, c.dst.capacities, c.dst.stride, c.dst_ids, c.dst.name,
             plan.block_bytes, self.copy_threads,
         )
 
     def memory_allocated(self, device_id: int | None = None) -> int:
         with self._lock:
             return sum(a.segment.size for a in self._device.values() if a.owned)
-
-    def host_allocated(self) -> int:
-        return self._hosts.total()

@@ -90,6 +90,28 @@ class CopyPlan:
     dtype: CacheDtype
 
 
+@dataclass(frozen=True)
+class Oriented:
+    """A checked copy request: which side is read, which is written, and with which ids."""
+
+    src: "Side"
+    dst: "Side"
+    src_ids: np.ndarray
+    dst_ids: np.ndarray
+    mode: int
+
+
+def orient(plan: "CopyPlan", device_block_ids: Any, host_block_ids: Any, mode: Any) -> Oriented:
+    """Checks mode, ids and lengths of a copy request and orients it by ``mode``."""
+    mode = check_mode(mode)
+    dev = block_ids(device_block_ids, "device_block_ids")
+    host = block_ids(host_block_ids, "host_block_ids")
+    check_same_length(dev, host)
+    if mode == DEVICE_TO_HOST:
+        return Oriented(plan.device, plan.host, dev, host, mode)
+    return Oriented(plan.host, plan.device, host, dev, mode)
+
+
 def check_side_ids(ids: np.ndarray, side: Side, unique: bool) -> None:
     """Every id inside every layer's capacity and, for a destination, listed once.
 

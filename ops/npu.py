@@ -26,7 +26,6 @@ Every pyACL call returns an ``aclError`` int (0 = ACL_SUCCESS); any other code r
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import os
@@ -38,15 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .dtypes import cache_dtype
-from .layout import (
-    CopyPlan,
-    HostAllocations,
-    Side,
-    block_ids,
-    check_mode,
-    check_same_length,
-    tensor_info,
-)
+from .layout import CopyPlan, HostAllocations, check_side_ids, orient, tensor_info
 from .platform import DEVICE_TO_HOST, BlockIds, Platform
 from .shm import SharedMemorySegment
 
@@ -271,30 +262,15 @@ class NpuPlatform(Platform):
         self._hosts.pop(ptr)
         check_acl(self._acl.rt.free_host(ptr), "acl.rt.free_host")
 
-    def host_buffer(self, ptr: int, nbytes: int) -> np.ndarray:
-        """A uint8 numpy view of host memory from host_alloc (bounds-checked)."""
-        room = self._hosts.room(ptr, "host pointer")
-        if nbytes < 0 or nbytes > room:
-            raise ValueError(f"host view of {nbytes} bytes at {ptr:#x} exceeds its allocation ({room} bytes left)")
-        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
-
-    def host_allocated(self) -> int:
-        return self._hosts.total()
-
     # -- copies ------------------------------------------------------------
     @property
     def host_allocations(self) -> HostAllocations:
         return self._hosts
 
     def run_plan(self, plan: CopyPlan, device_ids: BlockIds, host_ids: BlockIds, mode: int) -> int:
-        mode = check_mode(mode)
-        dev = block_ids(device_ids, "device_block_ids")
-        host = block_ids(host_ids, "host_block_ids")
-        check_same_length(dev, host)
-        if mode == DEVICE_TO_HOST:
-            src, dst, src_ids, dst_ids, kind = plan.device, plan.host, dev, host, ACL_MEMCPY_DEVICE_TO_HOST
-        else:
-            src, dst, src_ids, dst_ids, kind = plan.host, plan.device, host, dev, ACL_MEMCPY_HOST_TO_DEVICE
+        c = orient(plan, device_ids, host_ids, mode)
+        src, dst, src_ids, dst_ids = c.src, c.dst, c.src_ids, c.dst_ids
+        kind = ACL_MEMCPY_DEVICE_TO_HOST if c.mode == DEVICE_TO_HOST else ACL_MEMCPY_HOST_TO_DEVICE
         check_side_ids(src_ids, src, unique=False)
         check_side_ids(dst_ids, dst, unique=True)
         bb = plan.block_bytes

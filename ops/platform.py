@@ -44,6 +44,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .layout import CopyPlan, HostAllocations
 
 BlockIds = Sequence[int]
@@ -131,6 +133,21 @@ class Platform(ABC):
 
     @abstractmethod
     def memory_allocated(self, device_id: int | None = None) -> int: ...
+
+    def host_buffer(self, ptr: int, nbytes: int) -> "np.ndarray":
+        """A uint8 numpy view of ``nbytes`` of host memory at ``ptr`` (inside a ``host_alloc`` allocation)."""
+        import ctypes
+
+        import numpy as np
+
+        room = self.host_allocations.room(ptr, "host pointer")
+        if nbytes < 0 or nbytes > room:
+            raise ValueError(f"host view of {nbytes} bytes at {ptr:#x} exceeds its allocation ({room} bytes left)")
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+    def host_allocated(self) -> int:
+        """Bytes of live ``host_alloc`` allocations."""
+        return self.host_allocations.total()
 
     # FastDeploy's names for the host allocator.
     def cuda_host_alloc(self, nbytes: int) -> int:

@@ -3,9 +3,8 @@ import os
 
 import pytest
 
-import ops
 from ops.cpu import CpuPlatform
-from ops.shm import list_segments, unlink_segments
+from ops.shm import unlink_segments
 
 _instances = itertools.count()
 
