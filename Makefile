@@ -7,13 +7,16 @@ DEPS   := $(VENV)/.deps-installed
 SYSDEPS := $(VENV)/.sysdeps-installed
 EXT    := ops/_block_copy.stamp
 
-.PHONY: demo test bench build clean
+.PHONY: demo test lint bench build clean
 
 demo: build
 	$(PY) scripts/demo_swap.py
 
-test: build
+test: build lint
 	$(PY) -m pytest -q
+
+lint: $(DEPS)
+	$(PY) -m pyflakes cache_manager ops transfer_factory engine_hooks tests
 
 bench: build
 	$(PY) scripts/bench_swap.py

@@ -16,6 +16,7 @@ each rank sends its own result.  The process exits by itself when the engine is 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -424,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
-    import paddle  # noqa: F401  (paddle installs fatal-error signal handlers on import: ours must come after)
+    importlib.import_module("paddle")  # paddle installs fatal-error signal handlers on import: ours must come after
 
     ctm = CacheTransferManager(args, log)
 
