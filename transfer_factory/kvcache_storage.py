@@ -1,0 +1,122 @@
+"""KVCacheStorage: the one interface every storage backend implements.
+
+A backend stores opaque byte objects under string keys (DESIGN §3.7 builds the keys).
+It is batch-first, and every result is a plain int per key, as in Mooncake's store API.
+
+Primitives and their contracts:
+
+``register_buffer(ptr, size)``
+    Tell the backend about host memory it will read from or write into (staging buffers,
+    or on the CPU platform the device caches themselves).  Registering twice is harmless.
+``query(keys) -> int``
+    How many leading keys are present: the length of the longest present prefix.
+``exists(keys) -> list[int]``
+    Per key: 1 present, 0 absent, negative on error.
+``batch_get(keys, ptrs, sizes) -> list[int]``
+    Copy each object into ``ptrs[i]`` (``sizes[i]`` bytes available).  Per key: bytes read
+    (> 0), or a negative code (``NOT_FOUND``, ``CORRUPT``, ``BUFFER_TOO_SMALL``, ...).  A
+    damaged object is never reported as read.
+``batch_set(keys, ptrs, sizes) -> list[int]``
+    Store ``sizes[i]`` bytes from ``ptrs[i]`` under each key.  Per key: 0 stored (also when
+    the key already existed), or a negative code.
+``batch_get_multi(keys, ptr_lists, size_lists)`` / ``batch_set_multi(...)``
+    The same where one object is gathered from / scattered to several buffers (a block's
+    layers in per-layer caches).  ``supports_multi_buffer`` says whether the backend does
+    this natively; otherwise these fall back to one buffer per object and fail with
+    ``INVALID`` when asked for more.
+``delete(keys) -> list[int]``, ``clear()``, ``close()``
+    Remove keys (0 or a negative code each), remove everything this backend wrote, release
+    connections and buffers.  ``close`` is idempotent.
+
+``access`` says how the CTM feeds a backend: ``HOST_STAGED`` backends get bytes through a
+registered host buffer; ``DEVICE_DIRECT`` backends (EMS, AttentionStore) read and write the
+device caches themselves.  The CTM asks; it never branches on backend names.
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+# Per-key result codes.  NOT_FOUND and BUFFER_TOO_SMALL keep Mooncake's values.
+OK = 0
+NOT_FOUND = -704
+BUFFER_TOO_SMALL = -600
+CORRUPT = -900
+UNAVAILABLE = -901
+INVALID = -902
+NO_SPACE = -903
+TIMEOUT = -904
+
+CODE_NAMES = {
+    NOT_FOUND: "not found", BUFFER_TOO_SMALL: "buffer too small", CORRUPT: "corrupt", UNAVAILABLE: "unavailable",
+    INVALID: "invalid", NO_SPACE: "no space", TIMEOUT: "timeout",
+}
+
+
+class StorageAccess(enum.Enum):
+    HOST_STAGED = "host_staged"
+    DEVICE_DIRECT = "device_direct"
+
+
+class StorageConfigError(ValueError):
+    """A backend's configuration is missing or wrong; the message names the key."""
+
+
+class KVCacheStorage(ABC):
+    name: str = "abstract"
+    access: StorageAccess = StorageAccess.HOST_STAGED
+    supports_multi_buffer: bool = False
+
+    @abstractmethod
+    def register_buffer(self, ptr: int, size: int) -> None: ...
+
+    @abstractmethod
+    def exists(self, keys: Sequence[str]) -> list[int]: ...
+
+    def query(self, keys: Sequence[str]) -> int:
+        hits = 0
+        for present in self.exists(keys):
+            if present != 1:
+                break
+            hits += 1
+        return hits
+
+    @abstractmethod
+    def batch_get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]: ...
+
+    @abstractmethod
+    def batch_set(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]: ...
+
+    def batch_get_multi(self, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
+                        size_lists: Sequence[Sequence[int]]) -> list[int]:
+        if any(len(p) != 1 for p in ptr_lists):
+            return [INVALID] * len(keys)
+        return self.batch_get(keys, [p[0] for p in ptr_lists], [s[0] for s in size_lists])
+
+    def batch_set_multi(self, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
+                        size_lists: Sequence[Sequence[int]]) -> list[int]:
+        if any(len(p) != 1 for p in ptr_lists):
+            return [INVALID] * len(keys)
+        return self.batch_set(keys, [p[0] for p in ptr_lists], [s[0] for s in size_lists])
+
+    @abstractmethod
+    def delete(self, keys: Sequence[str]) -> list[int]: ...
+
+    @abstractmethod
+    def clear(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "KVCacheStorage":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_batch(keys: Sequence[str], ptrs: Sequence[object], sizes: Sequence[object]) -> None:
+    """Refuses batches whose lists differ in length (a caller bug, not a per-key failure)."""
+    if not (len(keys) == len(ptrs) == len(sizes)):
+        raise ValueError(f"batch of {len(keys)} keys with {len(ptrs)} buffers and {len(sizes)} sizes")
