@@ -32,6 +32,8 @@ import numpy as np
 
 import ops
 from ops.shm import SharedMemorySegment, unlink_segments
+from transfer_factory import StorageConfigError, create_storage_backend
+from transfer_factory.keys import Namespace
 
 from . import wire
 from .cache_data import (
@@ -44,8 +46,9 @@ from .cache_data import (
     CacheStatus,
     cache_name,
 )
-from .cache_tasks import ControlTask, RankResult, SwapTask, TaskFormatError, task_from_wire
+from .cache_tasks import ControlTask, RankResult, ReadStorageTask, SwapTask, TaskFormatError, task_from_wire
 from .engine_cache_queue import EngineCacheQueueClient
+from .storage_mover import TRANSFER_MODES, StorageMover, staging_blocks
 from .ipc_signal import IPCSignal, signal_segment_name
 
 STORAGE_BACKENDS = ("mooncake", "file", "attention_store", "ems", "none")
@@ -141,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attach_timeout", type=float, default=120.0, help="seconds to wait for cache_ready_signal")
     p.add_argument("--log_dir", default=os.environ.get("CTM_LOG_DIR", "log"))
     p.add_argument("--swap_threads", type=_positive, default=1, help="workers per swap direction")
+    p.add_argument("--model_version", default="", help="part of the storage namespace")
+    p.add_argument("--storage_options", type=_json, default={}, help="JSON options of the storage backend")
+    p.add_argument("--storage_transfer", default="auto", choices=TRANSFER_MODES,
+                   help="direct: backend reads/writes the caches in place; staged: through a staging buffer")
     return p
 
 
@@ -213,6 +220,7 @@ class CacheTransferManager:
         self.signals: dict[str, IPCSignal] = {}
         self.pools: dict[str, ThreadPoolExecutor] = {}
         self.queue: EngineCacheQueueClient | None = None
+        self.storage: StorageMover | None = None
         self.recv_seq = 0
         self.exit_timeout = float(os.environ.get(EXIT_TIMEOUT_ENV, "30"))
 
@@ -282,6 +290,26 @@ class CacheTransferManager:
             total += n * block_bytes * len(g.tensors)
         self.log.info("allocated %.1f MiB of host swap space (%d blocks)", total / 2**20, n)
 
+    def namespace(self) -> Namespace:
+        a = self.args
+        return Namespace(model_id=a.model_path or "model", model_version=a.model_version, tp_size=a.mp_num,
+                         cache_dtype=a.cache_dtype, block_size=a.key_cache_shape[2], num_layers=len(self._layer_blocks()))
+
+    def _open_storage(self) -> None:
+        a = self.args
+        if a.kvcache_storage_backend == "none":
+            return
+        backend = create_storage_backend(a.kvcache_storage_backend, namespace=str(self.namespace()), rank=self.rank,
+                                         options=a.storage_options)
+        try:
+            self.storage = StorageMover(self.platform, backend, [(g.kind, g.tensors) for g in self.groups],
+                                        self.namespace(), self.rank, staging_blocks(a.max_model_len,
+                                                                                     a.key_cache_shape[2]),
+                                        a.storage_transfer, self.log)
+        except BaseException:
+            backend.close()
+            raise
+
     def start(self) -> None:
         a = self.args
         self.platform.set_device(a.device_id)
@@ -289,6 +317,7 @@ class CacheTransferManager:
         self._attach_caches()
         self._alloc_swap_space()
         self._attach_signal(SWAP_SPACE_READY_SIGNAL, a.mp_num).value[self.rank] = 1
+        self._open_storage()
         try:
             self._attach_signal(WORKER_HEALTHY_LIVE_SIGNAL, 1)
         except FileNotFoundError:
@@ -376,12 +405,18 @@ class CacheTransferManager:
         raise ValueError(f"unknown control command {task.command!r}")
 
     def _storage(self, task: Any) -> Any:
-        raise ValueError(f"no storage backend configured (--kvcache_storage_backend {self.args.kvcache_storage_backend})")
+        if self.storage is None:
+            raise ValueError("no storage backend configured (--kvcache_storage_backend none)")
+        if isinstance(task, ReadStorageTask):
+            return self.storage.read(task)
+        return self.storage.write(task)
 
     # -- shutdown ---------------------------------------------------------------
     def close(self, engine_gone: bool) -> None:
         for pool in self.pools.values():
             pool.shutdown(wait=True, cancel_futures=True)
+        if self.storage is not None:
+            self.storage.close()
         if self.queue is not None:
             self.queue.flush()
             self.queue.close()
@@ -444,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineGone as exc:
         log.warning("exiting: %s", exc)
         engine_gone = True
+    except StorageConfigError as exc:
+        log.error("storage configuration: %s", exc)
+        code = 2
     except Exception:
         log.exception("fatal error")
         code = 1

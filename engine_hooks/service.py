@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import json
 import logging
 import os
 import select
@@ -37,7 +38,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -59,6 +60,9 @@ from ops.shm import unlink_segments
 from .device_caches import CacheSpec, DeviceCaches
 from .errors import RankDiedError, ServiceClosed, StartupError, TaskFailedError, TaskTimeoutError
 from .launcher import RankProcess, launch
+
+if TYPE_CHECKING:
+    from transfer_factory.keys import Namespace
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +116,11 @@ class CacheTransferService:
         task_timeout: float = 30.0,
         ready_timeout: float = 120.0,
         stop_grace: float = 5.0,
+        storage_backend: str = "none",
+        storage_options: dict[str, Any] | None = None,
+        storage_transfer: str = "auto",
+        model_id: str = "model",
+        model_version: str = "",
         extra_flags: dict[str, object] | None = None,
         extra_env: dict[str, str] | None = None,
     ):
@@ -133,6 +142,15 @@ class CacheTransferService:
         self.task_timeout = task_timeout
         self.ready_timeout = ready_timeout
         self.stop_grace = stop_grace
+        from transfer_factory import BACKEND_NAMES
+
+        if storage_backend != "none" and storage_backend not in BACKEND_NAMES:
+            raise ValueError(f"storage_backend {storage_backend!r} must be 'none' or one of {BACKEND_NAMES}")
+        self.storage_backend = storage_backend
+        self.storage_options = dict(storage_options or {})
+        self.storage_transfer = storage_transfer
+        self.model_id = model_id
+        self.model_version = model_version
         self.extra_flags = dict(extra_flags or {})
         self.extra_env = dict(extra_env or {})
         self.log_dir = log_dir or tempfile.mkdtemp(prefix=f"ctm-logs-{self.port}-")
@@ -209,11 +227,13 @@ class CacheTransferService:
             "cache_queue_port": self.cache_queue_port, "pod_ip": self.pod_ip,
             "engine_worker_queue_port": self.port, "num_cpu_blocks": self.num_cpu_blocks,
             "platform": self.platform_name, "log_dir": self.log_dir, "engine_pid": os.getpid(),
-            "attach_timeout": self.ready_timeout,
+            "attach_timeout": self.ready_timeout, "kvcache_storage_backend": self.storage_backend,
+            "model_path": self.model_id, "model_version": self.model_version,
+            "storage_transfer": self.storage_transfer,
         }
+        if self.storage_options:
+            flags["storage_options"] = json.dumps(self.storage_options)
         if s.speculative_config():
-            import json
-
             flags["speculative_config"] = json.dumps(s.speculative_config())
         flags.update(self.extra_flags)
         return flags
@@ -240,8 +260,12 @@ class CacheTransferService:
                 time.sleep(0.02)
 
     # ------------------------------------------------------------------ tasks
-    def submit(self, task: dict, timeout: float | None = None) -> Future:
-        """Broadcast a wire task to every rank; the future resolves when all have answered."""
+    def submit(self, task: dict, timeout: float | None = None, grace: float = 0.0) -> Future:
+        """Broadcast a wire task to every rank; the future resolves when all have answered.
+
+        The future fails ``timeout + grace`` seconds after submission: storage tasks carry their
+        own ``timeout`` to the ranks, which answer with 0 blocks when it passes, and the grace
+        lets that answer arrive."""
         timeout = self.task_timeout if timeout is None else float(timeout)
         if not timeout > 0:
             raise ValueError(f"timeout {timeout!r} must be positive")
@@ -260,7 +284,7 @@ class CacheTransferService:
                 rank, detail = min(dead.items())
                 future.set_exception(RankDiedError(task["task_id"], rank, detail))
                 return future
-            self._pending[task["task_id"]] = _Pending(task, future, time.monotonic() + timeout, timeout)
+            self._pending[task["task_id"]] = _Pending(task, future, time.monotonic() + timeout + grace, timeout + grace)
         unreachable = self.server.broadcast(task)
         if unreachable:
             self._fail_task(task["task_id"], RankDiedError(task["task_id"], unreachable[0], "is not connected to the queue"))
@@ -284,6 +308,31 @@ class CacheTransferService:
                     timeout: float | None = None) -> Future:
         """Copy host swap blocks back into device blocks on every rank; same result shape."""
         return self._swap(CacheStatus.SWAP2GPU, gpu_block_ids, cpu_block_ids, swap_node_ids, timeout)
+
+    def write_storage(self, keys: Sequence[str], gpu_block_ids: Any, token_ids: Sequence[int] | None = None,
+                      timeout: float | None = None) -> Future:
+        """Write-through: store blocks ``gpu_block_ids`` under the chained block hashes ``keys``
+        on every rank, skipping the leading blocks already stored.  Resolves to the gpu block
+        ids stored on every rank (a leading run; 0 blocks when storage is down)."""
+        return self._storage_task(CacheStatus.GPU2STORAGE, keys, gpu_block_ids, token_ids, timeout, {})
+
+    def read_storage(self, keys: Sequence[str], gpu_block_ids: Any, start_read_block_idx: int = 0,
+                     token_ids: Sequence[int] | None = None, timeout: float | None = None) -> Future:
+        """Load ``keys[start_read_block_idx:]`` into ``gpu_block_ids``.  Resolves to the gpu block
+        ids loaded: the leading run present on every rank (the minimum over ranks)."""
+        if not isinstance(start_read_block_idx, int) or start_read_block_idx < 0:
+            raise ValueError(f"start_read_block_idx {start_read_block_idx!r} must be a non-negative integer")
+        return self._storage_task(CacheStatus.STORAGE2GPU, keys, gpu_block_ids, token_ids, timeout,
+                                  {"start_read_block_idx": start_read_block_idx})
+
+    def _storage_task(self, event: CacheStatus, keys: Sequence[str], gpu_block_ids: Any,
+                      token_ids: Sequence[int] | None, timeout: float | None, extra: dict) -> Future:
+        if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+            raise ValueError("keys must be a list of block-hash strings")
+        timeout = self.task_timeout if timeout is None else float(timeout)
+        task = {"event_type": int(event), "keys": list(keys), "gpu_block_ids": _id_list(gpu_block_ids, "gpu_block_ids"),
+                "token_ids": _id_list(token_ids or [], "token_ids"), "timeout": timeout, **extra}
+        return self.submit(task, timeout, grace=5.0)
 
     def control(self, command: str, timeout: float | None = None, **args: Any) -> Future:
         """A CTRL task (``ping``, ``sleep``); resolves to each rank's answer, in rank order."""
@@ -312,6 +361,8 @@ class CacheTransferService:
         event = task.get("event_type")
         if event in (CacheStatus.SWAP2CPU, CacheStatus.SWAP2GPU):
             return (event, task["task_id"], task["swap_node_ids"], task["gpu_block_ids"], task["cpu_block_ids"])
+        if event in (CacheStatus.STORAGE2GPU, CacheStatus.GPU2STORAGE):
+            return min((pending.results[r].value for r in range(self.tp)), key=len)
         return [pending.results[r].value for r in range(self.tp)]
 
     def _fail_task(self, task_id: str, error: Exception) -> None:
@@ -433,6 +484,15 @@ class CacheTransferService:
         logger.info("CTM service shut down")
 
     # ------------------------------------------------------------------ inspection
+    def namespace(self) -> "Namespace":
+        """The storage namespace the CTMs key their objects under."""
+        from transfer_factory.keys import Namespace
+
+        s = self.spec
+        return Namespace(model_id=self.model_id or "model", model_version=self.model_version, tp_size=self.tp,
+                         cache_dtype=s.cache_dtype, block_size=s.block_size,
+                         num_layers=s.num_layers + s.num_extra_layers)
+
     def pids(self) -> dict[int, int]:
         return {rank: proc.pid for rank, proc in self.procs.items()}
 

@@ -65,6 +65,7 @@ class CpuPlatform(Platform):
     """Shared memory as device memory; the C kernel moves blocks."""
 
     name = "cpu"
+    host_addressable = True
 
     def __init__(self, instance: str | None = None, copy_threads: int | None = None):
         self.instance = instance or os.environ.get("CTM_INSTANCE", "0")

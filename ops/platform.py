@@ -58,6 +58,9 @@ class Platform(ABC):
     """A device family: its memory, its IPC and its block copies."""
 
     name: str = "abstract"
+    # True where device memory is ordinary host memory (the CPU platform): a storage
+    # backend may then read and write the caches in place, with no staging copy.
+    host_addressable: bool = False
 
     @abstractmethod
     def set_device(self, device_id: int) -> None: ...

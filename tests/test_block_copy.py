@@ -211,7 +211,7 @@ def test_bad_all_layers_input_raises_and_copies_nothing(cpu, message, kwargs, mo
 BAD_LAYOUT = [
     ("device block id 9", dict(dev=[9], hst=[0])),
     ("host block id 6 at position 0 is out of range", dict(dev=[0], hst=[6])),
-    ("cache_shape is \\[7, 2, 4, 8\\]", dict(dev=[0], hst=[0], shape=[7, 2, 4, 8])),
+    ("cache_shape is \\[8, 2, 4, 4\\]", dict(dev=[0], hst=[0], shape=[8, 2, 4, 4])),
     ("device_block_ids has 0 ids but host_block_ids has 1", dict(dev=[], hst=[0])),
     ("mode -1", dict(dev=[0], hst=[0], mode=-1)),
 ]

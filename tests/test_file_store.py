@@ -1,0 +1,561 @@
+"""FileStore (transfer_factory/file_store.py): round trips, damage detection, LRU capacity, restart,
+isolation, option checking, and concurrent threads and processes on one directory."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from transfer_factory import StorageAccess, StorageConfigError, create_storage_backend
+from transfer_factory.file_store import HEADER_SIZE, FileStore
+from transfer_factory.kvcache_storage import (
+    BUFFER_TOO_SMALL, CORRUPT, INVALID, NO_SPACE, NOT_FOUND, OK, UNAVAILABLE,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+NS = "model-tp2-0123456789abcdef"
+HSETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
+                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def key(i, rank=0, kind="k", ns=NS):
+    return f"{ns}/{i:064x}/{rank}/{kind}"
+
+
+def rand_bytes(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def open_store(root, namespace=NS, rank=0, **options):
+    options.setdefault("fsync", False)
+    return FileStore(namespace=namespace, rank=rank, options={"root": str(root), **options})
+
+
+def put(store, k, arr):
+    return store.batch_set([k], [arr.ctypes.data], [arr.nbytes])[0]
+
+
+def get(store, k, n):
+    out = np.zeros(n, dtype=np.uint8)
+    code = store.batch_get([k], [out.ctypes.data], [n])[0]
+    return code, out
+
+
+def assert_miss(store, k, n, sentinel=0xA5):
+    """A damaged object reads as a miss: a negative code, never a byte count."""
+    out = np.full(n, sentinel, dtype=np.uint8)
+    code = store.batch_get([k], [out.ctypes.data], [n])[0]
+    assert code in (CORRUPT, NOT_FOUND), code
+    return code
+
+
+@pytest.fixture
+def store(tmp_path):
+    with open_store(tmp_path / "kv") as s:
+        yield s
+
+
+# ------------------------------------------------------------------------------------ round trips
+@HSETTINGS
+@given(k=st.text(min_size=1, max_size=300), data=st.binary(min_size=1, max_size=4096))
+def test_round_trip_any_key_bit_exact(store, k, data):
+    src = np.frombuffer(data, dtype=np.uint8).copy()
+    assert put(store, k, src) == OK
+    assert store.exists([k]) == [1]
+    code, out = get(store, k, len(data) + 17)
+    assert code == len(data)
+    assert out[:code].tobytes() == data
+    assert not out[code:].any()                           # nothing written past the payload
+    assert store.delete([k]) == [OK]
+    assert store.exists([k]) == [0]
+
+
+@HSETTINGS
+@given(sizes=st.lists(st.integers(1, 1 << 20), min_size=1, max_size=6), seed=st.integers(0, 2**32 - 1))
+def test_round_trip_random_sizes_batched(store, sizes, seed):
+    srcs = [rand_bytes(n, seed + i) for i, n in enumerate(sizes)]
+    keys = [key(seed * 8 + i) for i in range(len(sizes))]
+    assert store.batch_set(keys, [a.ctypes.data for a in srcs], sizes) == [OK] * len(sizes)
+    outs = [np.empty(n, dtype=np.uint8) for n in sizes]
+    assert store.batch_get(keys, [o.ctypes.data for o in outs], sizes) == sizes
+    for src, out in zip(srcs, outs):
+        assert np.array_equal(src, out)
+    store.clear()
+
+
+@HSETTINGS
+@given(pieces=st.lists(st.integers(0, 70000), min_size=1, max_size=8).filter(lambda p: sum(p) > 0),
+       seed=st.integers(0, 2**32 - 1), split=st.integers(1, 5))
+def test_multi_buffer_round_trip(store, pieces, seed, split):
+    assert store.supports_multi_buffer
+    srcs = [rand_bytes(n, seed + i) for i, n in enumerate(pieces)]
+    k = key(seed)
+    assert store.batch_set_multi([k], [[a.ctypes.data for a in srcs]], [pieces]) == [OK]
+    total = sum(pieces)
+    outs = [np.empty(n, dtype=np.uint8) for n in pieces]
+    assert store.batch_get_multi([k], [[o.ctypes.data for o in outs]], [pieces]) == [total]
+    for src, out in zip(srcs, outs):
+        assert np.array_equal(src, out)
+    # One file is the concatenation in order: read it back whole and in another split.
+    code, whole = get(store, k, total)
+    assert code == total and np.array_equal(whole, np.concatenate(srcs))
+    bounds = np.linspace(0, total, split + 1).astype(int)
+    parts = [np.empty(b - a, dtype=np.uint8) for a, b in zip(bounds[:-1], bounds[1:])]
+    assert store.batch_get_multi([k], [[p.ctypes.data for p in parts]], [[p.nbytes for p in parts]]) == [total]
+    assert np.array_equal(np.concatenate(parts), whole)
+    # Scattering into buffers that are too small in total is refused.
+    small = [np.empty(n, dtype=np.uint8) for n in pieces]
+    small[-1] = np.empty(max(pieces[-1] - 1, 0), dtype=np.uint8)
+    if sum(s.nbytes for s in small) < total:
+        assert store.batch_get_multi([k], [[s.ctypes.data for s in small]], [[s.nbytes for s in small]]) \
+            == [BUFFER_TOO_SMALL]
+    store.delete([k])
+
+
+def test_existing_key_put_is_success(store):
+    a, b = rand_bytes(5000, 1), rand_bytes(5000, 2)
+    k = key(1)
+    assert put(store, k, a) == OK
+    used = store.used_bytes
+    assert put(store, k, b) == OK                         # already there: success, object intact
+    assert store.used_bytes == used and len(store) == 1
+    code, out = get(store, k, 5000)
+    assert code == 5000 and (np.array_equal(out, a) or np.array_equal(out, b))
+
+
+def test_codes_for_bad_requests(store):
+    a = rand_bytes(1000, 3)
+    k = key(2)
+    assert get(store, k, 1000)[0] == NOT_FOUND
+    assert store.batch_set([k], [a.ctypes.data], [0]) == [INVALID]
+    assert store.batch_set([k], [0], [1000]) == [INVALID]
+    assert store.batch_set([""], [a.ctypes.data], [1000]) == [INVALID]
+    assert store.batch_set_multi([k], [[]], [[]]) == [INVALID]
+    assert store.batch_get([k], [a.ctypes.data], [-1]) == [INVALID]
+    with pytest.raises(ValueError):
+        store.batch_set([k, key(3)], [a.ctypes.data], [1000])
+    assert put(store, k, a) == OK
+    assert get(store, k, 999)[0] == BUFFER_TOO_SMALL
+    assert store.exists([k]) == [1]                       # a too-small buffer does not damage anything
+    assert store.delete([k, key(3)]) == [OK, NOT_FOUND]
+    store.register_buffer(a.ctypes.data, a.nbytes)
+    store.register_buffer(a.ctypes.data, a.nbytes)        # twice is harmless
+    for ptr, size in ((0, 10), (-5, 10), (a.ctypes.data, 0), (a.ctypes.data, -1), ("x", 10)):
+        with pytest.raises(ValueError):
+            store.register_buffer(ptr, size)
+
+
+def test_query_counts_the_present_prefix(store):
+    arrs = [rand_bytes(100, i) for i in range(4)]
+    keys = [key(i) for i in range(4)]
+    store.batch_set(keys[:2] + keys[3:], [a.ctypes.data for a in arrs[:2] + arrs[3:]], [100] * 3)
+    assert store.exists(keys) == [1, 1, 0, 1]
+    assert store.query(keys) == 2
+
+
+def test_close_is_idempotent_and_later_calls_fail_softly(tmp_path):
+    s = open_store(tmp_path)
+    a = rand_bytes(64, 0)
+    assert put(s, key(0), a) == OK
+    s.close()
+    s.close()
+    assert put(s, key(1), a) == UNAVAILABLE
+    assert get(s, key(0), 64)[0] == UNAVAILABLE
+    assert s.exists([key(0)]) == [UNAVAILABLE]
+
+
+def test_factory_builds_a_file_store(tmp_path):
+    s = create_storage_backend("file", namespace=NS, rank=1, options={"root": str(tmp_path), "fsync": True})
+    try:
+        assert isinstance(s, FileStore) and s.name == "file" and s.access is StorageAccess.HOST_STAGED
+        assert s.directory == tmp_path / NS / "rank1"
+        a = rand_bytes(3000, 9)
+        assert put(s, key(0, rank=1), a) == OK
+        assert np.array_equal(get(s, key(0, rank=1), 3000)[1], a)
+    finally:
+        s.close()
+
+
+# ------------------------------------------------------------------------------------ damage
+def _stored(store, i=0, n=4096):
+    a = rand_bytes(n, 100 + i)
+    k = key(i)
+    assert put(store, k, a) == OK
+    return k, a, store.object_path(k)
+
+
+def test_truncated_and_extended_files_are_misses(store, caplog):
+    for cut in (0, 10, HEADER_SIZE - 1, HEADER_SIZE, HEADER_SIZE + 100, HEADER_SIZE + 4095):
+        k, a, path = _stored(store)
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+        assert_miss(store, k, a.nbytes)
+        assert not path.exists()                         # the bad file is deleted
+        assert store.exists([k]) == [0]
+    k, a, path = _stored(store)
+    with open(path, "ab") as f:
+        f.write(b"\0")
+    assert assert_miss(store, k, a.nbytes) == CORRUPT
+    assert "corrupt" in caplog.text
+
+
+def test_flipped_payload_byte_is_a_miss(store):
+    for pos in (0, 1, 2047, 4095):
+        k, a, path = _stored(store)
+        with open(path, "r+b") as f:
+            f.seek(HEADER_SIZE + pos)
+            byte = f.read(1)[0]
+            f.seek(HEADER_SIZE + pos)
+            f.write(bytes([byte ^ 0x01]))
+        assert assert_miss(store, k, a.nbytes) == CORRUPT
+        assert not path.exists()
+        assert put(store, k, a) == OK                    # the writer can store it again
+        assert np.array_equal(get(store, k, a.nbytes)[1], a)
+
+
+def test_every_flipped_header_byte_is_a_miss(store):
+    for pos in range(HEADER_SIZE):
+        k, a, path = _stored(store)
+        with open(path, "r+b") as f:
+            f.seek(pos)
+            byte = f.read(1)[0]
+            f.seek(pos)
+            f.write(bytes([byte ^ 0x80]))
+        assert assert_miss(store, k, a.nbytes) == CORRUPT, pos
+        assert not path.exists()
+
+
+def test_file_moved_to_another_keys_path_is_a_miss(store):
+    ka, a, path_a = _stored(store, 1)
+    kb, b, path_b = _stored(store, 2)
+    os.replace(path_a, path_b)                           # same size, valid checksums, wrong key
+    assert assert_miss(store, kb, b.nbytes) == CORRUPT
+    assert get(store, ka, a.nbytes)[0] == NOT_FOUND
+
+
+def test_full_disk_write_leaves_nothing(store, monkeypatch):
+    a = rand_bytes(100000, 5)
+    k = key(5)
+    real = os.writev
+
+    def half_then_enospc(fd, bufs):
+        real(fd, [bytes(memoryview(bufs[0])[:10])])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", half_then_enospc)
+    assert put(store, k, a) == NO_SPACE
+    monkeypatch.undo()
+    assert get(store, k, a.nbytes)[0] == NOT_FOUND
+    assert store.used_bytes == 0
+    assert [p.name for p in store.directory.rglob("*") if p.is_file()] == []
+
+
+_CRASH = r"""
+import os, sys
+import numpy as np
+from transfer_factory.file_store import FileStore
+root, ns, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+s = FileStore(namespace=ns, rank=0, options={"root": root, "fsync": False})
+a = np.arange(200000, dtype=np.uint8)
+if mode == "half":          # the process dies in the middle of writing the payload
+    real = os.writev
+    def die(fd, bufs):
+        real(fd, [bytes(memoryview(bufs[0])), bytes(memoryview(bufs[1])[:5000])])
+        os._exit(17)
+    os.writev = die
+else:                       # the process dies after writing everything, before the rename
+    os.rename = lambda *a: os._exit(17)
+s.batch_set([sys.argv[4]], [a.ctypes.data], [a.nbytes])
+"""
+
+
+@pytest.mark.parametrize("mode", ["half", "before_rename"])
+def test_crashed_writer_leaves_a_temp_file_that_is_never_read_and_is_removed(tmp_path, mode):
+    k = key(7)
+    proc = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path), NS, mode, k], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, timeout=60)
+    assert proc.returncode == 17, proc.stderr.decode()
+    leftovers = [p for p in (tmp_path / NS / "rank0").rglob("*.tmp.*")]
+    assert len(leftovers) == 1
+    with open_store(tmp_path) as s:                      # reopening removes the dead writer's temp file
+        assert not leftovers[0].exists()
+        assert_miss(s, k, 200000)
+        assert s.exists([k]) == [0] and len(s) == 0
+
+
+def test_temp_file_of_a_live_writer_is_kept_and_never_read(store, tmp_path):
+    k = key(8)
+    path = store.object_path(k)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    live = path.with_name(path.name + f".tmp.{os.getpid()}.0badc0de")
+    dead = path.with_name(path.name + ".tmp.99999999.0badc0de")
+    for p in (live, dead):
+        p.write_bytes(b"\0" * 1000)
+    assert_miss(store, k, 1000)
+    with open_store(tmp_path / "kv") as again:
+        assert live.exists() and not dead.exists()
+        assert_miss(again, k, 1000)
+
+
+# ------------------------------------------------------------------------------------ capacity
+def test_lru_eviction_order_and_no_space(tmp_path):
+    n = 1000
+    s = open_store(tmp_path, capacity_bytes=3 * (HEADER_SIZE + n))
+    arrs = [rand_bytes(n, i) for i in range(6)]
+    for i in range(3):
+        assert put(s, key(i), arrs[i]) == OK
+    assert s.used_bytes == 3 * (HEADER_SIZE + n)
+    assert get(s, key(0), n)[0] == n                     # key 0 is now the most recently used
+    assert put(s, key(3), arrs[3]) == OK                 # evicts key 1
+    assert s.exists([key(i) for i in range(4)]) == [1, 0, 1, 1]
+    assert put(s, key(2), arrs[2]) == OK                 # a put of a present key refreshes it too
+    assert put(s, key(4), arrs[4]) == OK                 # evicts key 0
+    assert s.exists([key(i) for i in range(5)]) == [0, 0, 1, 1, 1]
+    big = rand_bytes(3 * n + 2 * HEADER_SIZE + 1, 9)     # its file alone exceeds the capacity
+    assert put(s, key(9), big) == NO_SPACE
+    assert s.exists([key(i) for i in (2, 3, 4, 9)]) == [1, 1, 1, 0]   # nothing was evicted for it
+    double = rand_bytes(2 * n + HEADER_SIZE, 10)         # needs two slots: evicts the two LRU objects
+    assert put(s, key(10), double) == OK
+    assert s.exists([key(i) for i in (2, 3, 4, 10)]) == [0, 0, 1, 1]
+    assert s.used_bytes == 3 * (HEADER_SIZE + n)
+    for i in (4, 10):
+        src = arrs[4] if i == 4 else double
+        assert np.array_equal(get(s, key(i), src.nbytes)[1], src)
+    s.close()
+
+
+def test_index_is_rebuilt_on_reopen(tmp_path):
+    n = 2000
+    cap = 4 * (HEADER_SIZE + n)
+    s = open_store(tmp_path, capacity_bytes=cap)
+    arrs = [rand_bytes(n, i) for i in range(6)]
+    for i in range(4):
+        assert put(s, key(i), arrs[i]) == OK
+    now = time.time()
+    for i in range(4):                                   # deterministic ages: key 0 oldest
+        os.utime(s.object_path(key(i)), (now - 100 + i, now - 100 + i))
+    assert get(s, key(0), n)[0] == n                     # a read touches the mtime: key 0 is newest now
+    # A crash leftover and some garbage in the directory.
+    tmp = s.object_path(key(5)).with_name(s.object_path(key(5)).name + ".tmp.99999999.deadbeef")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_bytes(b"partial")
+    (s.directory / "README").write_text("not an object")
+    (s.directory / "ab").mkdir(exist_ok=True)
+    (s.directory / "ab" / "junk.kv").write_bytes(b"junk")
+    short = s.directory / "cd" / ("cd" + "0" * 62 + ".kv")
+    short.parent.mkdir(exist_ok=True)
+    short.write_bytes(b"x" * 10)                         # too short to hold a header: removed
+    s.close()
+
+    s = open_store(tmp_path, capacity_bytes=cap)
+    assert len(s) == 4 and s.used_bytes == cap
+    assert not tmp.exists() and not short.exists()
+    for i in range(4):
+        assert np.array_equal(get(s, key(i), n)[1], arrs[i])
+    s.close()
+    for i in range(4):                                   # reset ages again, key 0 still refreshed
+        os.utime(s.object_path(key(i)), (now - 100 + i, now - 100 + i))
+    os.utime(s.object_path(key(0)), (now, now))
+
+    s = open_store(tmp_path, capacity_bytes=cap)
+    assert put(s, key(4), arrs[4]) == OK                 # full: evicts key 1, the oldest
+    assert s.exists([key(i) for i in range(5)]) == [1, 0, 1, 1, 1]
+    assert s.used_bytes == cap
+    s.close()
+
+    s = open_store(tmp_path, capacity_bytes=2 * (HEADER_SIZE + n))   # a smaller capacity: trimmed at once
+    assert len(s) == 2 and s.used_bytes == 2 * (HEADER_SIZE + n)
+    assert sum(s.exists([key(i) for i in range(5)])) == 2
+    s.close()
+
+
+# ------------------------------------------------------------------------------------ isolation
+def test_namespaces_and_ranks_are_isolated(tmp_path):
+    stores = {(ns, r): open_store(tmp_path, namespace=ns, rank=r) for ns in ("nsA", "nsB") for r in (0, 1)}
+    k = "same/key/for/everyone"
+    arrs = {}
+    for i, (where, s) in enumerate(stores.items()):
+        assert s.exists([k]) == [0]
+        arrs[where] = rand_bytes(777 + i, i)
+        assert put(s, k, arrs[where]) == OK
+    for where, s in stores.items():
+        code, out = get(s, k, 1000)
+        assert code == arrs[where].nbytes and np.array_equal(out[:code], arrs[where])
+    assert put(stores[("nsA", 0)], "only-A0", arrs[("nsA", 0)]) == OK
+    for where, s in stores.items():
+        assert s.exists(["only-A0"]) == [int(where == ("nsA", 0))]
+    stores[("nsA", 0)].clear()
+    assert stores[("nsA", 0)].exists([k, "only-A0"]) == [0, 0]
+    for where, s in stores.items():
+        if where != ("nsA", 0):
+            assert s.exists([k]) == [1] and len(s) == 1
+    assert sorted(p.name for p in (tmp_path / "nsA").iterdir()) == ["rank0", "rank1"]
+    for s in stores.values():
+        s.close()
+
+
+# ------------------------------------------------------------------------------------ options
+@pytest.mark.parametrize("options, name", [
+    ({"root": ""}, "root"),
+    ({"root": 42}, "root"),
+    ({"capacity_bytes": 0}, "capacity_bytes"),
+    ({"capacity_bytes": -1}, "capacity_bytes"),
+    ({"capacity_bytes": 1.5}, "capacity_bytes"),
+    ({"capacity_bytes": True}, "capacity_bytes"),
+    ({"capacity_bytes": "lots"}, "capacity_bytes"),
+    ({"fsync": "maybe"}, "fsync"),
+    ({"fsync": 2}, "fsync"),
+    ({"capcity_bytes": 10}, "capcity_bytes"),
+])
+def test_bad_options_name_the_option(tmp_path, options, name):
+    with pytest.raises(StorageConfigError, match=name):
+        FileStore(namespace=NS, rank=0, options={"root": str(tmp_path), **options})
+
+
+def test_bad_root_namespace_rank_env(tmp_path, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(StorageConfigError, match="root"):
+        FileStore(namespace=NS, rank=0, options={"root": str(afile)})
+    for ns in ("", "..", "a/b"):
+        with pytest.raises(StorageConfigError, match="namespace"):
+            FileStore(namespace=ns, rank=0, options={"root": str(tmp_path)})
+    for rank in (-1, "0", True):
+        with pytest.raises(StorageConfigError, match="rank"):
+            FileStore(namespace=NS, rank=rank, options={"root": str(tmp_path)})
+    monkeypatch.setenv("CTM_FILE_STORE_CAPACITY", "plenty")
+    with pytest.raises(StorageConfigError, match="capacity_bytes.*CTM_FILE_STORE_CAPACITY"):
+        FileStore(namespace=NS, rank=0, options={"root": str(tmp_path)})
+
+
+def test_defaults_and_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("CTM_FILE_STORE_ROOT", raising=False)
+    monkeypatch.delenv("CTM_FILE_STORE_CAPACITY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with FileStore(namespace=NS, rank=3, options={}) as s:
+        assert s.directory == tmp_path / "home/.cache/cache-transfer-manager/kv" / NS / "rank3"
+        assert s.capacity_bytes == 64 << 30 and s.fsync is True
+    monkeypatch.setenv("CTM_FILE_STORE_ROOT", str(tmp_path / "envroot"))
+    monkeypatch.setenv("CTM_FILE_STORE_CAPACITY", "2G")
+    with FileStore(namespace=NS, rank=0, options={"fsync": "false"}) as s:
+        assert s.directory == tmp_path / "envroot" / NS / "rank0"
+        assert s.capacity_bytes == 2 << 30 and s.fsync is False
+    with FileStore(namespace=NS, rank=0, options={"root": tmp_path / "opt", "capacity_bytes": 12345}) as s:
+        assert s.directory == tmp_path / "opt" / NS / "rank0" and s.capacity_bytes == 12345
+
+
+# ------------------------------------------------------------------------------------ concurrency
+# Every writer stores one of VARIANTS payloads per key (sizes differ, so a put over another variant
+# rewrites the file while others read it); every successful read must equal one variant exactly.
+_WORKLOAD = r"""
+import numpy as np
+from transfer_factory.kvcache_storage import NOT_FOUND, OK
+
+KEYS, VARIANTS, MAXLEN = 24, 3, 48000
+
+def payload(k, v):
+    n = 1000 + (k * 7919 + v * 15013) % (MAXLEN - 1000)
+    return np.random.default_rng(k * 100 + v).integers(0, 256, n, dtype=np.uint8)
+
+def workload(store, seed, iters):
+    rng = np.random.default_rng(seed)
+    expected = {k: {payload(k, v).tobytes() for v in range(VARIANTS)} for k in range(KEYS)}
+    out = np.empty(MAXLEN, dtype=np.uint8)
+    stats = {"hits": 0, "wrong": 0, "bad_codes": []}
+    for _ in range(iters):
+        k = int(rng.integers(KEYS))
+        name = "ns/%064x/0/k" % k
+        op = rng.random()
+        if op < 0.45:
+            src = payload(k, int(rng.integers(VARIANTS)))
+            code = store.batch_set([name], [src.ctypes.data], [src.nbytes])[0]
+            if code != OK:
+                stats["bad_codes"].append(("set", code))
+        elif op < 0.93:
+            code = store.batch_get([name], [out.ctypes.data], [MAXLEN])[0]
+            if code > 0:
+                stats["hits"] += 1
+                if out[:code].tobytes() not in expected[k]:
+                    stats["wrong"] += 1
+            elif code != NOT_FOUND:
+                stats["bad_codes"].append(("get", code))
+        else:
+            code = store.delete([name])[0]
+            if code not in (OK, NOT_FOUND):
+                stats["bad_codes"].append(("delete", code))
+    return stats
+"""
+_PROCESS = _WORKLOAD + r"""
+import json, sys
+from transfer_factory.file_store import FileStore
+root, seed, iters, cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+with FileStore(namespace="shared", rank=0, options={"root": root, "fsync": False, "capacity_bytes": cap}) as s:
+    print("ready", flush=True)
+    sys.stdin.readline()                                # start together with the other writers
+    print(json.dumps(workload(s, seed, iters)))
+"""
+_ns: dict = {}
+exec(_WORKLOAD, _ns)
+CAPACITY = 10 * 48000                                  # about half the keys fit: eviction churns too
+
+
+def _check(stats):
+    assert stats["wrong"] == 0, stats
+    assert stats["bad_codes"] == [], stats
+
+
+def test_concurrent_threads_never_read_a_wrong_payload(tmp_path):
+    shared = open_store(tmp_path, namespace="shared", capacity_bytes=CAPACITY)
+    other = open_store(tmp_path, namespace="shared", capacity_bytes=CAPACITY)   # a second index, same files
+    results = [None] * 6
+
+    def run(i):
+        results[i] = _ns["workload"](shared if i % 2 else other, 1000 + i, 600)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for stats in results:
+        _check(stats)
+    assert sum(r["hits"] for r in results) > 100
+    shared.close()
+    other.close()
+
+
+def test_concurrent_processes_never_read_a_wrong_payload(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", _PROCESS, str(tmp_path), str(seed), "1500", str(CAPACITY)],
+                              cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for seed in (1, 2)]
+    with open_store(tmp_path, namespace="shared", capacity_bytes=CAPACITY) as mine:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        local = _ns["workload"](mine, 3, 1500)              # this process joins in meanwhile
+        results = [local]
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            results.append(json.loads(out))
+        for stats in results:
+            _check(stats)
+        assert sum(r["hits"] for r in results) > 100
+        # Afterwards every file on disk is whole: each present key reads back as one variant.
+        buf = np.empty(48000, dtype=np.uint8)
+        for k in range(_ns["KEYS"]):
+            code = mine.batch_get(["ns/%064x/0/k" % k], [buf.ctypes.data], [48000])[0]
+            assert code == NOT_FOUND or buf[:code].tobytes() in {
+                _ns["payload"](k, v).tobytes() for v in range(_ns["VARIANTS"])}
+    assert not list(tmp_path.rglob("*.tmp.*"))

@@ -1,0 +1,133 @@
+"""Read-storage and write-storage tasks through real CTM processes at TP=2, file backend."""
+import glob
+import os
+
+import numpy as np
+import pytest
+
+from engine_hooks import CacheSpec, StartupError, TaskFailedError
+from tests.service_helpers import fill_distinct, start_service, views
+from transfer_factory.keys import chain_hashes
+
+SPEC = CacheSpec(num_layers=2, num_blocks=16, kv_heads=2, block_size=4, head_dim=8, cache_dtype="block_wise_fp8",
+                 num_extra_layers=1, extra_block_ratio=1.5)
+
+
+def keys_for(n: int, seed: int = 0) -> list[str]:
+    tokens = np.random.default_rng(seed).integers(0, 50000, n * SPEC.block_size).tolist()
+    return chain_hashes(tokens, SPEC.block_size)
+
+
+@pytest.fixture(scope="module", params=["staged", "direct"])
+def svc(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"kv-{request.param}")
+    service = start_service(SPEC, storage_backend="file", storage_transfer=request.param,
+                            storage_options={"root": str(root), "fsync": False}, model_id="test/model-a")
+    service.file_root = root
+    yield service
+    service.shutdown()
+
+
+def test_round_trip_is_bit_exact_with_scales_and_extra_layers(svc):
+    fill_distinct(svc, seed=1)
+    v = views(svc)
+    assert {kind for (_, kind, _) in v} == {"key_caches", "value_caches", "key_cache_scales", "value_cache_scales"}
+    assert max(layer for (_, _, layer) in v) == SPEC.num_layers  # the extra speculative layer
+    keys = keys_for(5, seed=1)
+    src, dst = [1, 2, 3, 4, 5], [8, 9, 10, 11, 12]
+    want = {k: view[src].copy() for k, view in v.items()}
+    assert svc.write_storage(keys, src).result(timeout=30) == src
+    for view in v.values():
+        view[dst] = 0
+    assert svc.read_storage(keys, dst).result(timeout=30) == dst
+    for k, view in v.items():
+        assert np.array_equal(view[dst], want[k]), f"rank/kind/layer {k}"
+
+
+def test_write_skips_the_prefix_already_stored(svc):
+    fill_distinct(svc, seed=2)
+    v = views(svc)
+    keys = keys_for(4, seed=2)
+    first = {k: view[[0, 1]].copy() for k, view in v.items()}
+    assert svc.write_storage(keys[:2], [0, 1]).result(timeout=30) == [0, 1]
+    for view in v.values():  # new bytes in blocks 0 and 1: a second write must not store them
+        view[[0, 1]] ^= 0xFF
+    later = {k: view[[2, 3]].copy() for k, view in v.items()}
+    assert svc.write_storage(keys, [0, 1, 2, 3]).result(timeout=30) == [0, 1, 2, 3]
+    assert svc.read_storage(keys, [12, 13, 14, 15]).result(timeout=30) == [12, 13, 14, 15]
+    for k, view in v.items():
+        assert np.array_equal(view[[12, 13]], first[k])
+        assert np.array_equal(view[[14, 15]], later[k])
+
+
+def test_start_index_and_a_missing_block_limit_the_read(svc):
+    fill_distinct(svc, seed=3)
+    keys = keys_for(6, seed=3)
+    assert svc.write_storage(keys[:4], [0, 1, 2, 3]).result(timeout=30) == [0, 1, 2, 3]
+    assert svc.read_storage(keys, [5, 6, 7, 8], start_read_block_idx=2).result(timeout=30) == [5, 6]
+    assert svc.read_storage(keys_for(3, seed=99), [5, 6, 7]).result(timeout=30) == []
+
+
+def _object_files(svc, rank: int) -> list[str]:
+    return sorted(glob.glob(os.path.join(str(svc.file_root), str(svc.namespace()), f"rank{rank}", "**", "*"),
+                        recursive=True))
+
+
+def test_partial_and_damaged_objects_cut_the_read_at_the_minimum_over_ranks(svc):
+    fill_distinct(svc, seed=4)
+    v = views(svc)
+    keys = keys_for(4, seed=4)
+    before = set(_object_files(svc, 1))
+    assert svc.write_storage(keys[:2], [0, 1]).result(timeout=30) == [0, 1]
+    first_two = set(_object_files(svc, 1)) - before
+    assert svc.write_storage(keys, [0, 1, 2, 3]).result(timeout=30) == [0, 1, 2, 3]
+    rank1_new = sorted(p for p in set(_object_files(svc, 1)) - before - first_two if os.path.isfile(p))
+    assert rank1_new, "rank 1 wrote no files for blocks 2 and 3"
+    with open(rank1_new[0], "r+b") as f:  # damage one of rank 1's objects of block 2 or 3
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    got = svc.read_storage(keys, [8, 9, 10, 11]).result(timeout=30)
+    assert got in ([8, 9], [8, 9, 10]), got
+    want = {k: view[[0, 1]].copy() for k, view in v.items()}
+    for k, view in v.items():
+        assert np.array_equal(view[[8, 9]], want[k])
+
+
+def test_bad_storage_task_input_fails_clearly(svc):
+    with pytest.raises(TaskFailedError, match="2 keys but 1 gpu_block_ids"):
+        svc.write_storage(keys_for(2), [0]).result(timeout=30)
+    with pytest.raises(TaskFailedError, match="device block id 99"):
+        svc.read_storage(keys_for(1), [99]).result(timeout=30)
+    with pytest.raises(ValueError, match="keys must be a list"):
+        svc.read_storage("abc", [1])
+
+
+def test_namespaces_never_share_blocks(tmp_path):
+    fill_keys = keys_for(3, seed=7)
+    opts = {"root": str(tmp_path), "fsync": False}
+    a = start_service(SPEC, storage_backend="file", storage_options=opts, model_id="org/model-a")
+    try:
+        fill_distinct(a, seed=7)
+        assert a.write_storage(fill_keys, [0, 1, 2]).result(timeout=30) == [0, 1, 2]
+    finally:
+        a.shutdown()
+    b = start_service(SPEC, storage_backend="file", storage_options=opts, model_id="org/model-b")
+    c = start_service(SPEC, tp=1, storage_backend="file", storage_options=opts, model_id="org/model-a")
+    try:
+        assert b.read_storage(fill_keys, [0, 1, 2]).result(timeout=30) == []
+        assert c.read_storage(fill_keys, [0, 1, 2]).result(timeout=30) == []  # same model, another TP layout
+    finally:
+        b.shutdown()
+        c.shutdown()
+
+
+def test_bad_backend_config_fails_at_start_with_a_clear_message(tmp_path):
+    with pytest.raises(StartupError, match="capacity_bytes"):
+        start_service(SPEC, tp=1, storage_backend="file", storage_options={"root": str(tmp_path),
+                                                                           "capacity_bytes": "lots"})
+    with pytest.raises(StartupError, match="'ems' is unavailable"):
+        start_service(SPEC, tp=1, storage_backend="ems")
+    with pytest.raises(ValueError, match="storage_backend 'redis'"):
+        start_service(SPEC, tp=1, storage_backend="redis")
