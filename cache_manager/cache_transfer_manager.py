@@ -413,10 +413,14 @@ class CacheTransferManager:
 
     # -- shutdown ---------------------------------------------------------------
     def close(self, engine_gone: bool) -> None:
+        if engine_gone and self.args.platform == "cpu":
+            self._remove_orphans()  # first: nothing below may delay it
         for pool in self.pools.values():
             pool.shutdown(wait=True, cancel_futures=True)
         if self.storage is not None:
-            self.storage.close()
+            # A storage client may take seconds to close (Mooncake holds the GIL while it
+            # does); when the engine is gone, exiting promptly matters more.
+            self.storage.close(close_backend=not engine_gone)
         if self.queue is not None:
             self.queue.flush()
             self.queue.close()
@@ -427,8 +431,6 @@ class CacheTransferManager:
                 self.platform.unset_data_ipc(t, cache_name(g.kind, layer, self.rank, self.args.device_id), True, False)
         for sig in self.signals.values():
             sig.close()
-        if engine_gone and self.args.platform == "cpu":
-            self._remove_orphans()
 
     def _remove_orphans(self) -> None:
         """The engine died without cleaning up, and nobody else can: unlink its segments.

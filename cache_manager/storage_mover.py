@@ -236,17 +236,18 @@ class StorageMover:
             if not 0 <= gid < limit:
                 raise ValueError(f"device block id {gid} at position {i} is out of range [0, {limit})")
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the I/O threads and close the backend, waiting at most ``timeout`` for each.
-
-        Staging buffers are left to process exit: a backend call that never returned may
-        still hold one."""
+    def close(self, timeout: float = 5.0, close_backend: bool = True) -> None:
+        """Stop the I/O threads and (unless told not to) close the backend, waiting at most
+        ``timeout`` for each.  Staging buffers still held by a backend call that never
+        returned are left to process exit."""
         idle = all(io.stop(timeout) for io in self._io.values())
         if idle:
             for g in self.groups:
                 for ptr in (g.read_staging, g.write_staging):
                     if ptr:
                         self.platform.host_free(ptr)
+        if not close_backend:
+            return
         closer = threading.Thread(target=self.backend.close, name="storage-close", daemon=True)
         closer.start()
         closer.join(timeout)

@@ -1,0 +1,103 @@
+"""Storage tasks through real CTM processes at TP=2 against a real mooncake_master on loopback."""
+import time
+
+import numpy as np
+import pytest
+
+from engine_hooks import CacheSpec
+from tests.service_helpers import fill_distinct, start_service, views
+from transfer_factory.keys import chain_hash_ids
+from transfer_factory.mooncake_master import LocalMooncakeMaster
+
+SPEC = CacheSpec(num_layers=2, num_blocks=16, kv_heads=2, block_size=4, head_dim=8, cache_dtype="block_wise_fp8",
+                 num_extra_layers=1, extra_block_ratio=1.5)
+OPTIONS = {"global_segment_size": 64 << 20, "local_buffer_size": 16 << 20, "retry_interval": 0.2}
+
+
+@pytest.fixture(scope="module")
+def master():
+    with LocalMooncakeMaster() as m:
+        yield m
+
+
+@pytest.fixture(scope="module", params=["staged", "direct"])
+def svc(request, master):
+    service = start_service(SPEC, storage_backend="mooncake", storage_transfer=request.param,
+                            storage_options={**master.config(), **OPTIONS}, model_id=f"mc/{request.param}")
+    yield service
+    service.shutdown()
+
+
+def test_round_trip_is_bit_exact_with_scales_and_extra_layers(svc):
+    fill_distinct(svc, seed=11)
+    v = views(svc)
+    keys = chain_hash_ids([f"rt-{i}" for i in range(5)])
+    src, dst = [0, 2, 4, 6, 8], [9, 10, 11, 12, 13]
+    want = {k: view[src].copy() for k, view in v.items()}
+    assert svc.write_storage(keys, src).result(timeout=60) == src
+    for view in v.values():
+        view[dst] = 0
+    assert svc.read_storage(keys, dst).result(timeout=60) == dst
+    for k, view in v.items():
+        assert np.array_equal(view[dst], want[k]), f"rank/kind/layer {k}"
+
+
+def test_a_key_missing_on_one_rank_limits_the_read_to_the_minimum(svc, master):
+    from transfer_factory.keys import storage_key
+    from transfer_factory.mooncake_store import MooncakeStore
+
+    fill_distinct(svc, seed=12)
+    keys = chain_hash_ids([f"partial-{i}" for i in range(4)])
+    assert svc.write_storage(keys, [0, 1, 2, 3]).result(timeout=60) == [0, 1, 2, 3]
+    store = MooncakeStore(namespace=str(svc.namespace()), rank=1, options={**master.config(), **OPTIONS})
+    try:
+        victim = storage_key(svc.namespace(), keys[2], 1, "v")
+        deadline = time.monotonic() + 30
+        while store.delete([victim]) != [0] and time.monotonic() < deadline:
+            time.sleep(0.2)  # a read lease may still be held
+        assert store.exists([victim]) == [0]
+    finally:
+        store.close()
+    assert svc.read_storage(keys, [8, 9, 10, 11]).result(timeout=60) == [8, 9]
+
+
+def test_master_failure_gives_zero_blocks_in_time_swaps_go_on_and_it_recovers(master):
+    svc = start_service(SPEC, storage_backend="mooncake", storage_options={**master.config(), **OPTIONS},
+                        model_id="mc/failover")
+    try:
+        fill_distinct(svc, seed=13)
+        v = views(svc)
+        keys = chain_hash_ids([f"fo-{i}" for i in range(3)])
+        assert svc.write_storage(keys, [0, 1, 2]).result(timeout=60) == [0, 1, 2]
+        master.kill()
+        for attempt in range(3):
+            t0 = time.monotonic()
+            assert svc.read_storage(keys, [5, 6, 7], timeout=8).result(timeout=30) == []
+            assert svc.write_storage(chain_hash_ids([f"down-{attempt}"]), [3], timeout=8).result(timeout=30) == []
+            assert time.monotonic() - t0 < 25, "a storage task outlived its timeout"
+        want = {k: view[[4]].copy() for k, view in v.items()}
+        svc.swap_to_cpu([4], [0]).result(timeout=20)  # swaps still work
+        for view in v.values():
+            view[[4]] = 0
+        svc.swap_to_gpu([4], [0]).result(timeout=20)
+        assert all(np.array_equal(view[[4]], want[k]) for k, view in v.items())
+
+        master.restart()
+        fresh = chain_hash_ids([f"after-{i}" for i in range(2)])
+        deadline = time.monotonic() + 60
+        written = []
+        while written != [0, 1] and time.monotonic() < deadline:
+            written = svc.write_storage(fresh, [0, 1], timeout=8).result(timeout=30)
+            time.sleep(0.5)
+        assert written == [0, 1], "writes did not recover after the master came back"
+        assert svc.read_storage(fresh, [10, 11]).result(timeout=60) == [10, 11]
+    finally:
+        svc.shutdown()
+
+
+def test_bad_mooncake_config_fails_at_start_naming_the_key():
+    from engine_hooks import StartupError
+
+    with pytest.raises(StartupError, match="protocol"):
+        start_service(SPEC, tp=1, storage_backend="mooncake",
+                      storage_options={"master_server_addr": "127.0.0.1:1", "protocol": "carrier-pigeon"})

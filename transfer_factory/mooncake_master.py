@@ -1,0 +1,343 @@
+"""A local ``mooncake_master`` on loopback, for tests, benchmarks and single-host runs.
+
+``LocalMooncakeMaster`` starts the real master binary (from the ``mooncake-transfer-engine``
+wheel: ``mooncake_master`` next to ``sys.executable``, else on PATH, else in the package) on
+free loopback ports with its embedded HTTP metadata server, so a client needs nothing else
+(no etcd)::
+
+    with LocalMooncakeMaster(lease_ttl_ms=500) as master:
+        store = MooncakeStore(namespace="ns", rank=0, options=master.config())
+
+``start()`` returns only once the master answers: its process holds the RPC port, a TCP
+connect to it succeeds, and an HTTP GET to its metadata server is answered.  If it exits
+first (a taken port: retried with fresh ports) or does not answer within ``start_timeout``
+seconds, it is stopped and ``MooncakeMasterError`` carries the tail of its log.  ``stop()``
+sends SIGTERM, then SIGKILL after ``stop_grace`` seconds, and always reaps the process; it is
+idempotent.  ``kill()`` is SIGKILL (fault tests); ``restart()`` starts a fresh master on the
+same ports (a master keeps its objects in memory only, so it comes back empty).  With
+``die_with_parent`` (default) the master gets SIGTERM if this process dies (Linux).  The log
+is in a temporary directory, removed by ``cleanup()`` / leaving the ``with`` block.
+
+``lease_ttl_ms`` is ``--default_kv_lease_ttl``: a read's lease must outlast its transfer (a
+200 ms lease failed 256 MiB batch reads with -707), and ``remove`` is refused (-706) while a
+lease is held.  Observed: the metadata server listens on 0.0.0.0 whatever
+``--http_metadata_server_host`` says.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+LOOPBACK = "127.0.0.1"
+BINARY = "mooncake_master"
+_POLL = 0.05
+
+
+class MooncakeMasterError(RuntimeError):
+    """The master binary is missing, exited, or did not answer in time."""
+
+
+def find_master_binary() -> str:
+    """``mooncake_master`` next to ``sys.executable`` (the venv), else on PATH, else in the wheel."""
+    candidates = [os.path.join(os.path.dirname(sys.executable), BINARY), shutil.which(BINARY)]
+    spec = importlib.util.find_spec("mooncake")
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [os.path.join(d, BINARY) for d in spec.submodule_search_locations]
+    for path in candidates:
+        if path and os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    raise MooncakeMasterError(
+        f"{BINARY} not found next to {sys.executable}, on PATH or in the mooncake package; "
+        "install mooncake-transfer-engine (or -non-cuda on CPU hosts) into this environment")
+
+
+def _load_prctl() -> Any:
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl() if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies, even by SIGKILL, so a crashed
+    test run leaves no master behind.  (Linux; strictly, when the thread that started it exits.)"""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _distinct_free_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+class LocalMooncakeMaster:
+    """One ``mooncake_master`` process on loopback; see the module docstring."""
+
+    def __init__(self, *, lease_ttl_ms: int = 5000, client_ttl_s: int | None = None,
+                 rpc_port: int | None = None, http_port: int | None = None, metrics_port: int | None = None,
+                 extra_args: list[str] | None = None, binary: str | None = None,
+                 start_timeout: float = 20.0, stop_grace: float = 5.0, log_dir: str | None = None,
+                 die_with_parent: bool = True) -> None:
+        self.binary = binary or find_master_binary()
+        self.lease_ttl_ms = int(lease_ttl_ms)
+        self.client_ttl_s = client_ttl_s
+        self.extra_args = list(extra_args or [])
+        self.start_timeout = float(start_timeout)
+        self.stop_grace = float(stop_grace)
+        self.die_with_parent = bool(die_with_parent)
+        self._fixed_ports = (rpc_port, http_port, metrics_port)
+        self.rpc_port, self.http_port, self.metrics_port = self._fixed_ports
+        self._own_log_dir = log_dir is None
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="mooncake-master-")
+        self.log_path = os.path.join(self.log_dir, "mooncake_master.log")
+        self._proc: subprocess.Popen | None = None
+        self._log_file = None
+
+    # ---- addresses -------------------------------------------------------------------------
+
+    @property
+    def master_server_addr(self) -> str:
+        return f"{LOOPBACK}:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://{LOOPBACK}:{self.http_port}/metadata"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def config(self) -> dict[str, Any]:
+        """The options a ``MooncakeStore`` (or ``MooncakeDistributedStore.setup``) needs."""
+        return {
+            "local_hostname": LOOPBACK,
+            "metadata_server": self.metadata_server,
+            "master_server_addr": self.master_server_addr,
+            "protocol": "tcp",
+            "rdma_devices": "",
+        }
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> "LocalMooncakeMaster":
+        """Start and wait until it answers.  Ports picked once are kept (``restart`` reuses them)."""
+        if self.is_running():
+            return self
+        pick = None in (self.rpc_port, self.http_port, self.metrics_port)
+        deadline = time.monotonic() + self.start_timeout
+        for attempt in range(1, 6):
+            if pick:
+                fresh = iter(_distinct_free_ports(3))
+                self.rpc_port, self.http_port, self.metrics_port = (
+                    fixed if fixed is not None else next(fresh) for fixed in self._fixed_ports)
+            try:
+                self._spawn()
+                self._wait_ready(deadline)
+                return self
+            except MooncakeMasterError:
+                exited = self._proc is not None and self._proc.poll() is not None
+                self.stop()
+                # The master exits at once when a port is taken (picked by someone else between
+                # our probe and its bind, or still held by the previous master on these ports):
+                # try again, with fresh ports where we picked them, within the deadline.
+                if not exited or attempt == 5 or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05 if pick else 0.3)
+        raise AssertionError("unreachable")
+
+    def _argv(self) -> list[str]:
+        argv = [
+            self.binary,
+            f"--rpc_port={self.rpc_port}", f"--rpc_address={LOOPBACK}",
+            "--enable_http_metadata_server=true",
+            f"--http_metadata_server_port={self.http_port}", f"--http_metadata_server_host={LOOPBACK}",
+            f"--metrics_port={self.metrics_port}", f"--metrics_host={LOOPBACK}",
+            f"--default_kv_lease_ttl={self.lease_ttl_ms}",
+        ]
+        if self.client_ttl_s is not None:
+            argv.append(f"--client_ttl={int(self.client_ttl_s)}")
+        return argv + self.extra_args
+
+    def _spawn(self) -> None:
+        self._close_log()
+        self._log_file = open(self.log_path, "ab")
+        self._log_file.write(f"==== {time.strftime('%H:%M:%S')} {' '.join(self._argv())}\n".encode())
+        self._log_file.flush()
+        # Own session: a Ctrl+C in the terminal reaches the parent, which stops the master.
+        self._proc = subprocess.Popen(self._argv(), stdin=subprocess.DEVNULL, stdout=self._log_file,
+                                      stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=_die_with_parent if self.die_with_parent else None)
+
+    def _wait_ready(self, deadline: float) -> None:
+        rpc_ok = http_ok = False
+        while True:
+            if self._proc is None or self._proc.poll() is not None:
+                code = None if self._proc is None else self._proc.returncode
+                raise MooncakeMasterError(f"{BINARY} exited with status {code} while starting "
+                                          f"(rpc {self.master_server_addr}); log tail:\n{self.log_tail()}")
+            rpc_ok = rpc_ok or (self._tcp_answers(self.rpc_port) and self._owns_listener(self.rpc_port))
+            http_ok = http_ok or (rpc_ok and self._owns_listener(self.http_port) and self._http_answers())
+            if rpc_ok and http_ok:
+                return
+            if time.monotonic() >= deadline:
+                raise MooncakeMasterError(
+                    f"{BINARY} did not answer within {self.start_timeout:.0f}s (rpc {self.master_server_addr} "
+                    f"{'up' if rpc_ok else 'down'}, metadata {self.metadata_server} {'up' if http_ok else 'down'}); "
+                    f"log tail:\n{self.log_tail()}")
+            time.sleep(_POLL)
+
+    @staticmethod
+    def _tcp_answers(port: int) -> bool:
+        try:
+            with socket.create_connection((LOOPBACK, port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    def _http_answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.metadata_server}?key=__ctm_probe__", timeout=1.0) as resp:
+                resp.read()
+            return True
+        except urllib.error.HTTPError:
+            return True   # it answered (404 for a missing key is an answer)
+        except (OSError, ValueError):
+            return False
+
+    def _owns_listener(self, port: int) -> bool:
+        """Whether our process holds the socket listening on ``port`` (so a stranger's port cannot
+        pass for ours).  Best effort: True where /proc cannot tell."""
+        proc = self._proc
+        if proc is None:
+            return False
+        inodes = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                with open(table) as f:
+                    next(f, None)
+                    for line in f:
+                        fields = line.split()
+                        if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                            inodes.add(fields[9])
+            except (OSError, ValueError):
+                return True
+        fd_dir = f"/proc/{proc.pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            return True
+        for fd in fds:
+            try:
+                link = os.readlink(os.path.join(fd_dir, fd))
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+        return False
+
+    def stop(self) -> None:
+        """SIGTERM, SIGKILL after ``stop_grace`` seconds; always reaped.  Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                try:
+                    proc.wait(timeout=self.stop_grace)
+                except subprocess.TimeoutExpired:
+                    self._sigkill(proc)
+            else:
+                proc.wait()
+        self._close_log()
+
+    def kill(self) -> None:
+        """SIGKILL at once and reap (a crash, for fault tests).  Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            self._sigkill(proc)
+        self._close_log()
+
+    @staticmethod
+    def _sigkill(proc: subprocess.Popen) -> None:
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:  # pragma: no cover - a SIGKILLed process not reaped in 10 s
+            raise MooncakeMasterError(f"{BINARY} pid {proc.pid} survived SIGKILL") from None
+
+    def restart(self) -> "LocalMooncakeMaster":
+        """Stop (if running) and start a fresh master on the same ports (it starts empty)."""
+        self.stop()
+        return self.start()
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - max_bytes))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def cleanup(self) -> None:
+        """Stop and remove the temporary log directory."""
+        self.stop()
+        if self._own_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def __enter__(self) -> "LocalMooncakeMaster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    def __del__(self) -> None:
+        proc = getattr(self, "_proc", None)
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.kill()
+                proc.wait(timeout=5.0)
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        state = f"pid {self.pid}" if self.is_running() else "stopped"
+        return f"LocalMooncakeMaster(rpc {self.master_server_addr}, metadata {self.metadata_server}, {state})"
