@@ -114,9 +114,16 @@ class StorageMover:
     def _keys(self, g: _Group, hashes: Sequence[str]) -> list[str]:
         return [storage_key(self.namespace, h, self.rank, g.tag) for h in hashes]
 
-    def _direct_ptrs(self, g: _Group, gpu_ids: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
-        ptrs = [[base + gid * g.block_bytes for base in g.layer_ptrs] for gid in gpu_ids]
-        return ptrs, [[g.block_bytes] * len(g.layer_ptrs) for _ in gpu_ids]
+    def _direct_batch(self, gpu_ids: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """Per object (kind-major, then block): the address of the block in every layer's cache."""
+        ptrs = [[base + gid * g.block_bytes for base in g.layer_ptrs] for g in self.groups for gid in gpu_ids]
+        sizes = [[g.block_bytes] * len(g.layer_ptrs) for g in self.groups for _ in gpu_ids]
+        return ptrs, sizes
+
+    def _staged_batch(self, buffer: str, n: int) -> tuple[list[int], list[int]]:
+        """Per object (kind-major, then block): its slot in the kind's staging buffer."""
+        ptrs = [getattr(g, buffer) + j * g.object_bytes for g in self.groups for j in range(n)]
+        return ptrs, [g.object_bytes for g in self.groups for _ in range(n)]
 
     def _call(self, direction: str, fn: Callable[[], Any], deadline: float, what: str) -> Any:
         """Run ``fn`` on the direction's I/O thread; None if it fails or outlives the deadline."""
@@ -135,9 +142,11 @@ class StorageMover:
             return None
 
     def _present(self, hashes: Sequence[str], deadline: float, direction: str) -> int:
-        """Leading blocks present for every kind."""
+        """Leading blocks present for every kind (one batched call for all kinds)."""
         def count() -> int:
-            return min(self.backend.query(self._keys(g, hashes)) for g in self.groups)
+            found = self.backend.exists([k for g in self.groups for k in self._keys(g, hashes)])
+            per_block = np.array(found, dtype=np.int64).reshape(len(self.groups), len(hashes)) == 1
+            return _leading(per_block.all(axis=0).tolist())
 
         n = self._call(direction, count, deadline, "query")
         return int(n) if n is not None else 0
@@ -172,18 +181,18 @@ class StorageMover:
         direct = self.direct
 
         def job() -> list[bool]:
-            ok = np.ones(len(hashes), dtype=bool)
-            for g in self.groups:
-                keys = self._keys(g, hashes)
-                if direct:
-                    ptrs, sizes = self._direct_ptrs(g, gpu_ids)
-                    res = self.backend.batch_set_multi(keys, ptrs, sizes)
-                else:
+            # One batch for every kind: a backend call per kind would add a round trip each.
+            keys = [k for g in self.groups for k in self._keys(g, hashes)]
+            if direct:
+                ptrs, sizes = self._direct_batch(gpu_ids)
+                res = self.backend.batch_set_multi(keys, ptrs, sizes)
+            else:
+                for g in self.groups:
                     self.platform.run_plan(g.write_plan, list(gpu_ids), list(range(len(gpu_ids))), ops.DEVICE_TO_HOST)
-                    ptrs = [g.write_staging + j * g.object_bytes for j in range(len(gpu_ids))]
-                    res = self.backend.batch_set(keys, ptrs, [g.object_bytes] * len(gpu_ids))
-                ok &= np.array([r == 0 for r in res], dtype=bool)
-            return ok.tolist()
+                ptrs, sizes = self._staged_batch("write_staging", len(gpu_ids))
+                res = self.backend.batch_set(keys, ptrs, sizes)
+            done = np.array([r == 0 for r in res], dtype=bool).reshape(len(self.groups), len(hashes))
+            return done.all(axis=0).tolist()
 
         ok = self._call("write", job, deadline, f"write of {len(hashes)} blocks")
         return _leading(ok)
@@ -211,17 +220,16 @@ class StorageMover:
         direct = self.direct
 
         def job() -> list[bool]:
-            ok = np.ones(len(hashes), dtype=bool)
-            for g in self.groups:
-                keys = self._keys(g, hashes)
-                if direct:
-                    ptrs, sizes = self._direct_ptrs(g, gpu_ids)
-                    res = self.backend.batch_get_multi(keys, ptrs, sizes)
-                else:
-                    ptrs = [g.read_staging + j * g.object_bytes for j in range(len(gpu_ids))]
-                    res = self.backend.batch_get(keys, ptrs, [g.object_bytes] * len(gpu_ids))
-                ok &= np.array([r == g.object_bytes for r in res], dtype=bool)
-            return ok.tolist()
+            keys = [k for g in self.groups for k in self._keys(g, hashes)]
+            if direct:
+                ptrs, sizes = self._direct_batch(gpu_ids)
+                res = self.backend.batch_get_multi(keys, ptrs, sizes)
+            else:
+                ptrs, sizes = self._staged_batch("read_staging", len(gpu_ids))
+                res = self.backend.batch_get(keys, ptrs, sizes)
+            want = np.repeat([g.object_bytes for g in self.groups], len(hashes))
+            done = (np.array(res, dtype=np.int64) == want).reshape(len(self.groups), len(hashes))
+            return done.all(axis=0).tolist()
 
         loaded = _leading(self._call("read", job, deadline, f"read of {len(hashes)} blocks"))
         if loaded and not direct:
