@@ -7,9 +7,15 @@ DEPS   := $(VENV)/.deps-installed
 SYSDEPS := $(VENV)/.sysdeps-installed
 EXT    := ops/_block_copy.stamp
 
-.PHONY: demo test lint bench build clean
+.PHONY: demo swap-demo test lint bench build clean
+
+TRACE  := $(wildcard ../shared/traces/synthetic_trace.jsonl)
 
 demo: build
+	mkdir -p out
+	$(PY) scripts/replay_trace.py $(if $(TRACE),--trace $(TRACE)) --plot out/replay.png
+
+swap-demo: build
 	$(PY) scripts/demo_swap.py
 
 test: build lint
@@ -20,6 +26,8 @@ lint: $(DEPS)
 
 bench: build
 	$(PY) scripts/bench_swap.py
+	$(PY) scripts/bench_queue.py
+	$(PY) scripts/bench_storage.py
 
 build: $(EXT)
 

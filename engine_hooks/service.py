@@ -170,7 +170,8 @@ class CacheTransferService:
         self._supervisor: threading.Thread | None = None
         self._closed = False
         self._started = False
-        self.latencies_ms: list[float] = []
+        self.latencies_ms: list[float] = []  # every completed task, submit to last rank's answer
+        self.task_intervals: list[tuple[float, float]] = []  # (submitted, completed), perf_counter seconds
 
     # ------------------------------------------------------------------ start
     def __enter__(self) -> "CacheTransferService":
@@ -348,7 +349,9 @@ class CacheTransferService:
             if len(pending.results) < self.tp:
                 return
             del self._pending[result.task_id]
-        self.latencies_ms.append((time.perf_counter() - pending.submitted) * 1e3)
+        now = time.perf_counter()
+        self.latencies_ms.append((now - pending.submitted) * 1e3)
+        self.task_intervals.append((pending.submitted, now))
         pending.future.rank_results = dict(sorted(pending.results.items()))  # type: ignore[attr-defined]
         failures = {r: res.error or "failed" for r, res in pending.results.items() if not res.ok}
         if failures:
@@ -484,6 +487,16 @@ class CacheTransferService:
         logger.info("CTM service shut down")
 
     # ------------------------------------------------------------------ inspection
+    def busy_seconds(self) -> float:
+        """Wall time during which at least one task was in flight (overlapping tasks count once)."""
+        total, end = 0.0, float("-inf")
+        for start, stop in sorted(self.task_intervals):
+            if stop <= end:
+                continue
+            total += stop - max(start, end)
+            end = stop
+        return total
+
     def namespace(self) -> "Namespace":
         """The storage namespace the CTMs key their objects under."""
         from transfer_factory.keys import Namespace
