@@ -91,24 +91,50 @@ class StorageMover:
                 for t in g.tensors:
                     backend.register_buffer(int(t.data_ptr()), int(np.prod(t.shape)) * t.element_size())
         self._staging_ready = False
+        self._staging_registered = False
+        self._staging_lock = threading.Lock()
         if not self.direct:
             self._prepare_staging()
+            self._register_staging()
         log.info("storage: backend %s, %s path, namespace %s", backend.name, "direct" if self.direct else "staged",
                  namespace)
 
+    def _fall_back_to_staging(self) -> None:
+        """A direct call outlived its task: stage every later transfer.  The buffers are set up
+        here, on the task's thread, never on an I/O thread that may still be stuck."""
+        with self._staging_lock:
+            if not self.direct:
+                return
+            try:
+                self._prepare_staging()
+            except Exception as exc:
+                self.log.error("cannot set up staging buffers (%s): storage stays on the direct path", exc)
+                return
+            self.direct = False
+        self.log.error("a direct storage call outlived its task: this rank now stages every transfer")
+
     def _prepare_staging(self) -> None:
+        """Allocate the staging buffers and their copy plans (no backend call: it may be stuck)."""
         if self._staging_ready:
             return
         for g in self.groups:
             nbytes = self.max_blocks * g.object_bytes
             g.read_staging = self.platform.host_alloc(nbytes)
             g.write_staging = self.platform.host_alloc(nbytes)
-            for ptr in (g.read_staging, g.write_staging):
-                self.backend.register_buffer(ptr, nbytes)
             shape = list(g.tensors[0].shape)
             g.read_plan = self.platform.plan_layout(g.tensors, g.read_staging, shape)
             g.write_plan = self.platform.plan_layout(g.tensors, g.write_staging, shape)
         self._staging_ready = True
+
+    def _register_staging(self) -> None:
+        """Register the staging buffers with the backend, once; runs on an I/O thread."""
+        with self._staging_lock:
+            if self._staging_registered:
+                return
+            for g in self.groups:
+                for ptr in (g.read_staging, g.write_staging):
+                    self.backend.register_buffer(ptr, self.max_blocks * g.object_bytes)
+            self._staging_registered = True
 
     # ------------------------------------------------------------------ helpers
     def _keys(self, g: _Group, hashes: Sequence[str]) -> list[str]:
@@ -133,9 +159,7 @@ class StorageMover:
         except FutureTimeout:
             self.log.error("storage %s timed out (%s)", what, self.backend.name)
             if self.direct:
-                self.log.error("a direct storage call outlived its task: this rank now stages every transfer")
-                self.direct = False
-                self._io[direction].submit(self._prepare_staging)
+                self._fall_back_to_staging()
             return None
         except Exception as exc:
             self.log.error("storage %s failed: %s: %s", what, type(exc).__name__, exc)
@@ -187,6 +211,7 @@ class StorageMover:
                 ptrs, sizes = self._direct_batch(gpu_ids)
                 res = self.backend.batch_set_multi(keys, ptrs, sizes)
             else:
+                self._register_staging()
                 for g in self.groups:
                     self.platform.run_plan(g.write_plan, list(gpu_ids), list(range(len(gpu_ids))), ops.DEVICE_TO_HOST)
                 ptrs, sizes = self._staged_batch("write_staging", len(gpu_ids))
@@ -225,6 +250,7 @@ class StorageMover:
                 ptrs, sizes = self._direct_batch(gpu_ids)
                 res = self.backend.batch_get_multi(keys, ptrs, sizes)
             else:
+                self._register_staging()
                 ptrs, sizes = self._staged_batch("read_staging", len(gpu_ids))
                 res = self.backend.batch_get(keys, ptrs, sizes)
             want = np.repeat([g.object_bytes for g in self.groups], len(hashes))

@@ -101,3 +101,37 @@ def test_bad_mooncake_config_fails_at_start_naming_the_key():
     with pytest.raises(StartupError, match="protocol"):
         start_service(SPEC, tp=1, storage_backend="mooncake",
                       storage_options={"master_server_addr": "127.0.0.1:1", "protocol": "carrier-pigeon"})
+
+
+def test_a_hung_master_times_out_the_task_and_direct_transfers_fall_back_to_staging(master):
+    import os
+    import signal
+
+    svc = start_service(SPEC, storage_backend="mooncake", storage_transfer="direct",
+                        storage_options={**master.config(), **OPTIONS}, model_id="mc/hung")
+    try:
+        fill_distinct(svc, seed=14)
+        v = views(svc)
+        keys = chain_hash_ids([f"hung-{i}" for i in range(3)])
+        want = {k: view[[0, 1, 2]].copy() for k, view in v.items()}
+        assert svc.write_storage(keys, [0, 1, 2]).result(timeout=60) == [0, 1, 2]
+        os.kill(master.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert svc.read_storage(keys, [5, 6, 7], timeout=2).result(timeout=30) == []
+            assert time.monotonic() - t0 < 15, "a hung store held the task past its timeout"
+            svc.swap_to_cpu([3], [1]).result(timeout=20)  # swaps go on meanwhile
+        finally:
+            os.kill(master.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        got = []
+        while got != [10, 11, 12] and time.monotonic() < deadline:
+            got = svc.read_storage(keys, [10, 11, 12], timeout=10).result(timeout=40)
+            time.sleep(0.5)
+        assert got == [10, 11, 12], "reads did not recover after the master resumed"
+        for k, view in v.items():
+            assert np.array_equal(view[[10, 11, 12]], want[k])
+        logs = "".join(open(os.path.join(svc.log_dir, f"cache_transfer_manager_rank{r}.log")).read() for r in (0, 1))
+        assert "now stages every transfer" in logs
+    finally:
+        svc.shutdown()
