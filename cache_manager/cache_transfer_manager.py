@@ -31,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 import ops
+from ops.procs import pid_alive
 from ops.shm import SharedMemorySegment, unlink_segments
 from transfer_factory import StorageConfigError, create_storage_backend
 from transfer_factory.keys import Namespace
@@ -335,7 +336,7 @@ class CacheTransferManager:
     def _check_engine(self) -> None:
         engine_pid = self.args.engine_pid
         if engine_pid is not None:
-            if not _pid_alive(engine_pid):
+            if not pid_alive(engine_pid):
                 raise EngineGone(f"engine process {engine_pid} is gone")
         elif os.getppid() != self.parent_pid:
             raise EngineGone(f"parent process {self.parent_pid} is gone")
@@ -442,16 +443,6 @@ class CacheTransferManager:
         for name in PER_RANK_SIGNALS + (WORKER_HEALTHY_LIVE_SIGNAL, KV_CACHE_STATUS_SIGNAL):
             SharedMemorySegment.unlink_name(signal_segment_name(name, suffix))
         self.log.warning("engine gone: removed its %d cache segments and its signals", len(removed))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ops.procs import pid_alive
+
 from .kvcache_storage import (
     BUFFER_TOO_SMALL, CORRUPT, INVALID, NO_SPACE, NOT_FOUND, OK, UNAVAILABLE, KVCacheStorage, StorageAccess,
     StorageConfigError, check_batch,
@@ -170,20 +172,6 @@ def _read_all(fd: int, bufs: list[memoryview], offset: int) -> int:
                 bufs[i] = bufs[i][n:]
                 n = 0
     return total
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    return True
 
 
 def _parse_capacity(value: Any, source: str) -> int:
@@ -311,7 +299,7 @@ class FileStore(KVCacheStorage):
                     m = _TMP_RE.match(entry.name)
                     if m:
                         st = entry.stat(follow_symlinks=False)
-                        if not _pid_alive(int(m.group(2))) or now - st.st_mtime > TMP_MAX_AGE_S:
+                        if not pid_alive(int(m.group(2))) or now - st.st_mtime > TMP_MAX_AGE_S:
                             os.unlink(entry.path)
                             removed_tmp += 1
                         continue
@@ -446,7 +434,7 @@ class FileStore(KVCacheStorage):
                     continue
                 for entry in entries:
                     m = _TMP_RE.match(entry.name)
-                    if _OBJ_RE.match(entry.name) or (m and not _pid_alive(int(m.group(2)))):
+                    if _OBJ_RE.match(entry.name) or (m and not pid_alive(int(m.group(2)))):
                         try:
                             os.unlink(entry.path)
                             removed += 1
