@@ -112,3 +112,21 @@ def test_parse_line_rejects_each_bad_field():
     with pytest.raises(replay_trace.BadTraceLine, match="line 2: hash_ids must be a list"):
         replay_trace.parse_line(json.dumps({"timestamp": 0, "input_length": 1, "output_length": 1,
                                             "hash_ids": "abc"}), 2)
+
+
+def test_replay_with_mooncake_starts_and_stops_its_own_master(tmp_path):
+    env_free = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
+    path = trace_slice(tmp_path, 250)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "replay_trace.py"), "--json", "--no-progress",
+                           "--trace", path, "--storage", "mooncake", "--device-blocks", "64", "--host-blocks", "0"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env_free)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "started a local mooncake_master at 127.0.0.1:" in proc.stdout
+    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    hits, total = independent_ceiling(path)
+    assert result["blocks"] == total and 0 < result["hit_blocks"] <= hits
+    assert result["storage_hit_ratio"] > 0 and result["corrupt_blocks"] == 0
+    assert result["verified_blocks"] == result["hit_blocks"]
+    port = proc.stdout.split("started a local mooncake_master at 127.0.0.1:")[1].split()[0]
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert f"--rpc_port {port}" not in ps and f"--rpc_port={port}" not in ps, "the replay left its master running"
