@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -79,11 +78,3 @@ def launch(rank: int, flags: dict[str, object], log_dir: str, env: dict[str, str
     logger.info("launched rank %d as pid %d", rank, popen.pid)
     return RankProcess(rank, popen, ctm_log_path(log_dir, rank), stderr_path)
 
-
-def wait_all(procs: list[RankProcess], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.popen.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass

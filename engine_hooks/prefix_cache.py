@@ -25,7 +25,7 @@ import collections
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,6 @@ class Lease:
 
 @dataclass
 class TierStats:
-    blocks: collections.Counter = field(default_factory=collections.Counter)  # per tier
     swap_out_blocks: int = 0
     swap_in_blocks: int = 0
     storage_write_blocks: int = 0
@@ -199,8 +198,6 @@ class TieredPrefixCache:
         self._host.update(held)  # the host copies stay valid: back in the LRU, most recent
         if self.use_storage and load_from < n:
             self._read_storage(lease, load_from)
-        for s in lease.sources:
-            self.stats.blocks[s] += 1
         return lease
 
     def _swap_in(self, lease: Lease, host_pos: list[int], first_uncached: int, held: dict[str, int]) -> int:

@@ -508,8 +508,3 @@ class CacheTransferService:
 
     def pids(self) -> dict[int, int]:
         return {rank: proc.pid for rank, proc in self.procs.items()}
-
-    def device_cache(self, rank: int, kind: str, layer: int) -> Any:
-        """The engine's tensor for one rank's cache (what the model runner would hold)."""
-        assert self.caches is not None
-        return self.caches.tensors[rank][kind][layer]

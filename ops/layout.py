@@ -188,9 +188,6 @@ class HostAllocations:
                 return base + size - ptr
         raise ValueError(f"{what} {ptr:#x} is not inside any host_alloc allocation")
 
-    def total(self) -> int:
-        return sum(self._sizes.values())
-
     def __iter__(self):
         return iter(list(self._sizes))
 

@@ -148,10 +148,6 @@ class Platform(ABC):
             raise ValueError(f"host view of {nbytes} bytes at {ptr:#x} exceeds its allocation ({room} bytes left)")
         return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
 
-    def host_allocated(self) -> int:
-        """Bytes of live ``host_alloc`` allocations."""
-        return self.host_allocations.total()
-
     # FastDeploy's names for the host allocator.
     def cuda_host_alloc(self, nbytes: int) -> int:
         return self.host_alloc(nbytes)
