@@ -79,6 +79,7 @@ class StorageMover:
             t = tensors[0]
             block_bytes = int(np.prod(t.shape[1:])) * t.element_size()
             self.groups.append(_Group(KIND_TAGS[kind], tensors, block_bytes, [int(x.data_ptr()) for x in tensors]))
+        self.device_blocks = min(int(t.shape[0]) for _, tensors in groups for t in tensors)  # valid in every layer
         can_direct = backend.access == StorageAccess.DEVICE_DIRECT or (
             backend.supports_multi_buffer and platform.host_addressable)
         if transfer == "direct" and not can_direct:
@@ -265,7 +266,7 @@ class StorageMover:
         return loaded
 
     def _check_device_ids(self, gpu_ids: Sequence[int]) -> None:
-        limit = min(int(t.shape[0]) for g in self.groups for t in g.tensors)
+        limit = self.device_blocks
         for i, gid in enumerate(gpu_ids):
             if not 0 <= gid < limit:
                 raise ValueError(f"device block id {gid} at position {i} is out of range [0, {limit})")

@@ -139,18 +139,6 @@ def request_hashes(req: Request, kv_blocks_per_hash: int) -> list[str]:
     return chain_hash_ids(ids)
 
 
-def theoretical_hit_ratio(requests: list[Request], kv_blocks_per_hash: int) -> float:
-    """Blocks whose hash was seen in an earlier request, over all blocks (any cache's ceiling)."""
-    seen: set[str] = set()
-    hits = total = 0
-    for req in requests:
-        hashes = request_hashes(req, kv_blocks_per_hash)
-        hits += sum(h in seen for h in hashes)
-        total += len(hashes)
-        seen.update(hashes)
-    return hits / total if total else 0.0
-
-
 # ---------------------------------------------------------------------------- content
 class Content:
     """Deterministic bytes of every block: words = index * golden + tag(hash, layer, rank, kind)."""
@@ -214,7 +202,9 @@ class Progress:
         sys.stderr.flush()
 
 
-def replay(svc: CacheTransferService, requests: list[Request], args: argparse.Namespace) -> dict:
+def replay(svc: CacheTransferService, requests: list[Request], request_block_hashes: list[list[str]],
+           args: argparse.Namespace) -> dict:
+    """Replays ``requests``, whose block hashes ``request_block_hashes`` holds, in order."""
     cache = TieredPrefixCache(svc, args.device_blocks, args.host_blocks, write_policy=args.write_policy,
                               use_storage=args.storage != "none", task_timeout=args.task_timeout)
     content = Content(svc)
@@ -224,11 +214,11 @@ def replay(svc: CacheTransferService, requests: list[Request], args: argparse.Na
     counts = collections.Counter()
     timeline = []
     verified = corrupt = skipped = theoretical_hits = saved_tokens = 0
+    all_blocks = sum(len(h) for h in request_block_hashes)  # skipped requests' too: the ceiling's denominator
     ratio = 0.0
     progress = Progress(len(requests), not args.no_progress)
     t0 = time.perf_counter()
-    for done, req in enumerate(requests, start=1):
-        hashes = request_hashes(req, args.kv_blocks_per_hash)
+    for done, (req, hashes) in enumerate(zip(requests, request_block_hashes), start=1):
         ceiling = sum(h in seen for h in hashes)
         theoretical_hits += ceiling
         seen.update(hashes)
@@ -246,7 +236,7 @@ def replay(svc: CacheTransferService, requests: list[Request], args: argparse.Na
                 corrupt += 1
                 log.error("line %d block %d from %s has wrong bytes: recomputing it", req.line, i, lease.sources[i])
                 lease.sources[i] = "miss"
-        miss_pos = [i for i, s in enumerate(lease.sources) if s == "miss"]
+        miss_pos = lease.positions("miss")
         content.write([hashes[i] for i in miss_pos], [lease.gpu_blocks[i] for i in miss_pos])
         per_tier = collections.Counter(lease.sources)
         counts.update(per_tier)
@@ -276,8 +266,7 @@ def replay(svc: CacheTransferService, requests: list[Request], args: argparse.Na
         "host_hit_ratio": counts["host"] / blocks if blocks else 0.0,
         "storage_hit_ratio": counts["storage"] / blocks if blocks else 0.0,
         "miss_ratio": counts["miss"] / blocks if blocks else 0.0,
-        "theoretical_hit_ratio": theoretical_hits / sum(len(request_hashes(r, args.kv_blocks_per_hash))
-                                                        for r in requests) if requests else 0.0,
+        "theoretical_hit_ratio": theoretical_hits / all_blocks if all_blocks else 0.0,
         "prefill_tokens_saved": saved_tokens,
         "prefill_tokens_total": sum(r.input_length for r in requests),
         **moved,
@@ -424,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     if not requests:
         print("no requests to replay", file=sys.stderr)
         return 2
-    unique = len({h for r in requests for h in request_hashes(r, args.kv_blocks_per_hash)})
+    block_hashes = [request_hashes(r, args.kv_blocks_per_hash) for r in requests]
+    unique = len({h for hashes in block_hashes for h in hashes})
     longest = max(len(r.hash_ids) for r in requests) * args.kv_blocks_per_hash
     device_blocks = max(args.device_blocks, longest)
     if args.unbounded:
@@ -459,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                                   storage_backend="none" if args.storage == "none" else args.storage,
                                   storage_options=storage_options, model_id=f"replay/{source}",
                                   max_model_len=longest * block_size, task_timeout=args.task_timeout) as svc:
-            result = replay(svc, requests, args)
+            result = replay(svc, requests, block_hashes, args)
     finally:
         if master is not None:
             master.stop()
