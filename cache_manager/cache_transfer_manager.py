@@ -36,6 +36,8 @@ from ops.shm import SharedMemorySegment, unlink_segments
 from transfer_factory import StorageConfigError, create_storage_backend
 from transfer_factory.keys import Namespace
 
+from .cache_spec import CacheSpec
+
 from . import wire
 from .cache_data import (
     CACHE_READY_SIGNAL,
@@ -172,6 +174,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def spec_from_args(args: argparse.Namespace) -> CacheSpec:
+    """The cache spec the flags describe (the engine built its caches from the same spec)."""
+    n, heads, block_size, head_dim = args.key_cache_shape
+    value = args.value_cache_shape
+    spec = args.speculative_config
+    return CacheSpec(num_layers=args.num_layers, num_blocks=n, kv_heads=heads, block_size=block_size,
+                     head_dim=head_dim, cache_dtype=args.cache_dtype, default_dtype=args.default_dtype,
+                     mla=not value, num_extra_layers=spec.get("num_extra_cache_layer", 0),
+                     extra_block_ratio=spec.get("num_gpu_block_expand_ratio", 1),
+                     value_block_shape=tuple(value[1:]) if value and value[1:] != args.key_cache_shape[1:] else None)
+
+
 # ------------------------------------------------------------------ caches
 @dataclass
 class CacheGroup:
@@ -212,6 +226,7 @@ class CacheTransferManager:
         self.args = args
         self.log = log
         self.rank = args.rank
+        self.spec = spec_from_args(args)
         self.instance = args.ipc_instance or str(args.engine_worker_queue_port)
         self.platform = ops.get_platform(args.platform, **({"instance": self.instance} if args.platform == "cpu" else {}))
         ops.use_platform(self.platform)
@@ -248,35 +263,19 @@ class CacheTransferManager:
             if self.stop_event.wait(0.05):
                 raise EngineGone("stopped while waiting for caches")
 
-    def _layer_blocks(self) -> list[int]:
-        spec = self.args.speculative_config
-        n = self.args.key_cache_shape[0]
-        extra = spec.get("num_extra_cache_layer", 0)
-        extra_blocks = int(n * spec.get("num_gpu_block_expand_ratio", 1))
-        return [n] * self.args.num_layers + [extra_blocks] * extra
-
     def _attach_caches(self) -> None:
         import paddle
 
-        a = self.args
-        fp8 = a.cache_dtype == "block_wise_fp8"
-        cache_dtype = "uint8" if fp8 else a.cache_dtype
-        kinds = [("key_caches", a.key_cache_shape, cache_dtype)]
-        if a.value_cache_shape:
-            kinds.append(("value_caches", a.value_cache_shape, cache_dtype))
-        if fp8:
-            kinds.append(("key_cache_scales", a.key_cache_shape[:3], a.default_dtype))
-            if a.value_cache_shape:
-                kinds.append(("value_cache_scales", a.value_cache_shape[:3], a.default_dtype))
-        for kind, shape, dtype in kinds:
+        layer_blocks = self.spec.layer_blocks()
+        for kind, block_shape, dtype in self.spec.kinds():
             template = paddle.empty([], dtype=dtype)
             tensors = [
-                self.platform.share_external_data_(template, cache_name(kind, layer, self.rank, a.device_id),
-                                                   [blocks] + list(shape[1:]))
-                for layer, blocks in enumerate(self._layer_blocks())
+                self.platform.share_external_data_(template, cache_name(kind, layer, self.rank, self.args.device_id),
+                                                   [blocks] + list(block_shape))
+                for layer, blocks in enumerate(layer_blocks)
             ]
             self.groups.append(CacheGroup(kind, tensors))
-        self.log.info("attached %d cache kinds x %d layers", len(self.groups), len(self._layer_blocks()))
+        self.log.info("attached %d cache kinds x %d layers", len(self.groups), len(layer_blocks))
 
     def _alloc_swap_space(self) -> None:
         n = self.args.num_cpu_blocks
@@ -292,9 +291,7 @@ class CacheTransferManager:
         self.log.info("allocated %.1f MiB of host swap space (%d blocks)", total / 2**20, n)
 
     def namespace(self) -> Namespace:
-        a = self.args
-        return Namespace(model_id=a.model_path or "model", model_version=a.model_version, tp_size=a.mp_num,
-                         cache_dtype=a.cache_dtype, block_size=a.key_cache_shape[2], num_layers=len(self._layer_blocks()))
+        return self.spec.storage_namespace(self.args.model_path, self.args.model_version, self.args.mp_num)
 
     def _open_storage(self) -> None:
         a = self.args

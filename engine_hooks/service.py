@@ -219,7 +219,7 @@ class CacheTransferService:
     def ctm_flags(self, rank: int) -> dict[str, object]:
         """The command-line flags of rank ``rank``'s CTM (FastDeploy's, plus the platform's)."""
         s = self.spec
-        value_shape = "" if s.mla else ",".join(map(str, s.cache_shape))
+        value_shape = ",".join(map(str, s.value_cache_shape))
         flags: dict[str, object] = {
             "splitwise_role": "mixed", "rank": rank, "device_id": self.device_ids[rank],
             "max_model_len": self.max_model_len, "num_layers": s.num_layers, "mp_num": self.tp,
@@ -499,12 +499,7 @@ class CacheTransferService:
 
     def namespace(self) -> "Namespace":
         """The storage namespace the CTMs key their objects under."""
-        from transfer_factory.keys import Namespace
-
-        s = self.spec
-        return Namespace(model_id=self.model_id or "model", model_version=self.model_version, tp_size=self.tp,
-                         cache_dtype=s.cache_dtype, block_size=s.block_size,
-                         num_layers=s.num_layers + s.num_extra_layers)
+        return self.spec.storage_namespace(self.model_id, self.model_version, self.tp)
 
     def pids(self) -> dict[int, int]:
         return {rank: proc.pid for rank, proc in self.procs.items()}
