@@ -6,6 +6,7 @@ arrives; a malformed task becomes an error result, not a crash.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -84,6 +85,18 @@ def _str(d: dict, key: str) -> str:
     return value
 
 
+def task_deadline(d: dict) -> float | None:
+    """The task's absolute deadline on ``time.monotonic()`` (CLOCK_MONOTONIC, one clock for every
+    process of the host), or None for a task sent without one."""
+    deadline = d.get("deadline")
+    if deadline is None:
+        return None
+    if not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not math.isfinite(deadline) \
+            or not 0 < deadline < 1e12:
+        raise TaskFormatError(f"task deadline {deadline!r} must be a finite positive number of seconds")
+    return float(deadline)
+
+
 def task_from_wire(d: Any) -> Task:
     """Rebuild a task from its wire dict; raises ``TaskFormatError`` naming the bad field."""
     if not isinstance(d, dict):
@@ -108,7 +121,7 @@ def task_from_wire(d: Any) -> Task:
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise TaskFormatError("task field 'keys' must be a list of strings")
     timeout = d.get("timeout", 30.0)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < 1e9:
         raise TaskFormatError(f"task timeout {timeout!r} must be a positive number")
     if status == CacheStatus.STORAGE2GPU:
         start = d.get("start_read_block_idx", 0)
@@ -133,3 +146,18 @@ class RankResult:
     error: str | None = None
     recv_seq: int = -1  # the order in which this rank received the task
     elapsed_ms: float = 0.0
+    bytes_moved: int = 0  # bytes this rank actually copied or transferred for the task
+    # False when an I/O of this task still touches its blocks after the answer left (an answer in
+    # time, a release later); a later result of the same task with released=True is that release.
+    released: bool = True
+
+
+@dataclass
+class Outcome:
+    """What a rank's task body returns: its value, the bytes it moved, and, when an I/O that
+    touches the task's blocks outlived the deadline, that I/O's future: the rank answers now
+    and reports the release once the future is done."""
+
+    value: Any = None
+    bytes_moved: int = 0
+    still_running: Any = None  # concurrent.futures.Future | None

@@ -1,32 +1,37 @@
-"""Read-storage and write-storage tasks of one CTM rank (DESIGN §3.1, §3.3, §3.7, §4).
+"""Read-storage and write-storage tasks of one CTM rank (DESIGN §3.1, §3.3, §3.7, §3.8, §4).
 
 One storage object is one block of one rank for all layers of one cache kind (K, V, or an
 fp8 scale), keyed ``{namespace}/{block hash}/{rank}/{k|v|k_scale|v_scale}``.  Two ways to
 move the bytes, chosen from what the platform and the backend say they can do:
 
-* **direct**: the backend gathers/scatters a block's layers straight from/to the device
-  caches (``batch_set_multi``/``batch_get_multi``): device-direct backends always, and
-  host-staged backends with multi-buffer calls where device memory is host memory (CPU).
-* **staged**: ``swap_cache_layout`` packs the blocks into a registered block-major staging
-  buffer (sized for ``--max_model_len``) and the backend moves whole objects from there;
-  read and write have separate buffers.
+* **staged** (the default for host-staged backends): a write packs the blocks into a
+  registered block-major staging buffer on the task's thread, before the deadline, and the
+  backend stores from there; a read has the backend fill a staging buffer and scatters it
+  into the device blocks on the task's thread, only if the whole call succeeded before the
+  deadline.  A backend call that outlives its task touches only its staging buffer, which
+  stays out of use until the call returns: a late call can neither change a device block
+  nor store bytes the engine wrote after the task (it stores the snapshot taken while the
+  task was live, under the key those bytes belong to).
+* **direct** (``--storage_transfer direct``, and device-direct backends): the backend
+  gathers/scatters a block's layers straight from/to the device caches.  A direct call that
+  outlives its task still touches device blocks, so the rank answers in time (0 blocks)
+  with ``released=False`` and reports the release when the call returns; the engine keeps
+  those blocks until then (two-phase completion).  Later transfers of the rank stage.
 
 Writes are write-through and skip the leading blocks already stored.  Reads load the
 leading run of blocks present and intact for every kind.  Every backend call runs on a
-per-direction I/O thread and is waited for with the task's timeout: an error or a timeout
-yields fewer (possibly 0) blocks, never a hang, and the CTM keeps serving swaps.  A staged
-buffer is only ever touched by its own I/O thread, so a call that outlives its task cannot
-mix its bytes into a later task; a direct call that times out switches the rank to the
-staged path for good, since a late direct call would touch device blocks the engine has
-moved on from.
+per-direction I/O thread with a bounded backlog; a call whose deadline passed before it
+started is cancelled and never starts, and a full backlog or no free staging buffer fails
+the chunk at once with a log line, so a stuck backend shows up as failed tasks, never as
+memory growth or a hang.
 """
 from __future__ import annotations
 
 import logging
 import math
-import time
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -39,33 +44,53 @@ from ops.platform import Platform
 from transfer_factory.keys import Namespace, storage_key
 from transfer_factory.kvcache_storage import KVCacheStorage, StorageAccess
 
-from .cache_tasks import ReadStorageTask, WriteStorageTask
+from .cache_tasks import Outcome, ReadStorageTask, WriteStorageTask
 
 KIND_TAGS = {"key_caches": "k", "value_caches": "v", "key_cache_scales": "k_scale", "value_cache_scales": "v_scale"}
 TRANSFER_MODES = ("auto", "staged", "direct")
+STAGING_BUFFERS = 2  # per direction: one for the task at hand, one held by a call that outlived its task
+IO_BACKLOG = 4  # backend calls queued per direction before new ones fail at once
+
+
+class StorageBusy(RuntimeError):
+    """The direction's backlog is full, or every staging buffer is held by a stuck call."""
 
 
 @dataclass
 class _Group:
-    """One cache kind: its per-layer tensors and, on the staged path, its staging buffers."""
+    """One cache kind: its per-layer tensors."""
 
     tag: str
     tensors: list[Any]
     block_bytes: int  # per layer
     layer_ptrs: list[int]
-    read_staging: int = 0
-    write_staging: int = 0
-    read_plan: Any = None
-    write_plan: Any = None
 
     @property
     def object_bytes(self) -> int:
         return self.block_bytes * len(self.tensors)
 
 
+@dataclass(eq=False)
+class _Staging:
+    """One staging buffer per cache kind (block-major) and its copy plans."""
+
+    ptrs: list[int]
+    plans: list[Any]
+    registered: bool = False
+
+
+@dataclass
+class _Chunk:
+    """What one chunk of a task achieved."""
+
+    blocks: int = 0
+    still_running: Future | None = None  # a direct call past the deadline: it still touches the blocks
+
+
 class StorageMover:
     def __init__(self, platform: Platform, backend: KVCacheStorage, groups: Sequence[tuple[str, list[Any]]],
-                 namespace: Namespace, rank: int, max_blocks: int, transfer: str, log: logging.Logger):
+                 namespace: Namespace, rank: int, max_blocks: int, transfer: str, log: logging.Logger,
+                 staging_buffers: int = STAGING_BUFFERS, io_backlog: int = IO_BACKLOG):
         if transfer not in TRANSFER_MODES:
             raise ValueError(f"storage transfer mode {transfer!r} must be one of {TRANSFER_MODES}")
         self.platform = platform
@@ -80,66 +105,76 @@ class StorageMover:
             block_bytes = int(np.prod(t.shape[1:])) * t.element_size()
             self.groups.append(_Group(KIND_TAGS[kind], tensors, block_bytes, [int(x.data_ptr()) for x in tensors]))
         self.device_blocks = min(int(t.shape[0]) for _, tensors in groups for t in tensors)  # valid in every layer
-        can_direct = backend.access == StorageAccess.DEVICE_DIRECT or (
-            backend.supports_multi_buffer and platform.host_addressable)
+        device_direct = backend.access == StorageAccess.DEVICE_DIRECT
+        can_direct = device_direct or (backend.supports_multi_buffer and platform.host_addressable)
         if transfer == "direct" and not can_direct:
             raise ValueError(f"--storage_transfer direct needs a device-direct backend or multi-buffer calls on a "
                              f"host-addressable platform ({backend.name} on {platform.name} has neither)")
-        self.direct = can_direct and transfer != "staged"
-        self._io = {"read": _IOThread("storage-read-io"), "write": _IOThread("storage-write-io")}
+        # auto stages whatever can be staged: only a staged call can outlive its task harmlessly.
+        self.direct = device_direct or transfer == "direct"
+        self._io = {d: _IOThread(f"storage-{d}-io", io_backlog) for d in ("read", "write")}
         if self.direct and backend.access == StorageAccess.HOST_STAGED:
             for g in self.groups:
                 for t in g.tensors:
                     backend.register_buffer(int(t.data_ptr()), int(np.prod(t.shape)) * t.element_size())
-        self._staging_ready = False
-        self._staging_registered = False
+        self._staging_count = staging_buffers
+        self._staging: dict[str, queue.SimpleQueue] = {"read": queue.SimpleQueue(), "write": queue.SimpleQueue()}
+        self._all_staging: list[_Staging] = []
         self._staging_lock = threading.Lock()
         if not self.direct:
             self._prepare_staging()
-            self._register_staging()
+            for buf in self._all_staging:
+                self._register(buf)
         log.info("storage: backend %s, %s path, namespace %s", backend.name, "direct" if self.direct else "staged",
                  namespace)
 
-    def _fall_back_to_staging(self) -> None:
-        """A direct call outlived its task: stage every later transfer.  The buffers are set up
-        here, on the task's thread, never on an I/O thread that may still be stuck."""
-        with self._staging_lock:
-            if not self.direct:
-                return
-            try:
-                self._prepare_staging()
-            except Exception as exc:
-                self.log.error("cannot set up staging buffers (%s): storage stays on the direct path", exc)
-                return
-            self.direct = False
-        self.log.error("a direct storage call outlived its task: this rank now stages every transfer")
-
+    # ------------------------------------------------------------------ staging buffers
     def _prepare_staging(self) -> None:
         """Allocate the staging buffers and their copy plans (no backend call: it may be stuck)."""
-        if self._staging_ready:
-            return
-        for g in self.groups:
-            nbytes = self.max_blocks * g.object_bytes
-            g.read_staging = self.platform.host_alloc(nbytes)
-            g.write_staging = self.platform.host_alloc(nbytes)
-            shape = list(g.tensors[0].shape)
-            g.read_plan = self.platform.plan_layout(g.tensors, g.read_staging, shape)
-            g.write_plan = self.platform.plan_layout(g.tensors, g.write_staging, shape)
-        self._staging_ready = True
-
-    def _register_staging(self) -> None:
-        """Register the staging buffers with the backend, once; runs on an I/O thread."""
         with self._staging_lock:
-            if self._staging_registered:
+            if self._all_staging:
                 return
-            for g in self.groups:
-                for ptr in (g.read_staging, g.write_staging):
-                    self.backend.register_buffer(ptr, self.max_blocks * g.object_bytes)
-            self._staging_registered = True
+            for direction in ("read", "write"):
+                for _ in range(self._staging_count):
+                    ptrs = [self.platform.host_alloc(self.max_blocks * g.object_bytes) for g in self.groups]
+                    plans = [self.platform.plan_layout(g.tensors, ptr, list(g.tensors[0].shape))
+                             for g, ptr in zip(self.groups, ptrs)]
+                    buf = _Staging(ptrs, plans)
+                    self._all_staging.append(buf)
+                    self._staging[direction].put(buf)
+
+    def _register(self, buf: _Staging) -> None:
+        if not buf.registered:
+            for g, ptr in zip(self.groups, buf.ptrs):
+                self.backend.register_buffer(ptr, self.max_blocks * g.object_bytes)
+            buf.registered = True
+
+    def _take_staging(self, direction: str) -> _Staging:
+        try:
+            return self._staging[direction].get_nowait()
+        except queue.Empty:
+            raise StorageBusy(f"every {direction} staging buffer is held by a storage call that outlived its task "
+                              f"({self.backend.name} is stuck)") from None
+
+    def _fall_back_to_staging(self) -> None:
+        """A direct call outlived its task: stage every later transfer.  The buffers are set up
+        here, on the task's thread, and registered by the I/O thread when it gets to them."""
+        if not self.direct or self.backend.access == StorageAccess.DEVICE_DIRECT:
+            return
+        try:
+            self._prepare_staging()
+        except Exception as exc:
+            self.log.error("cannot set up staging buffers (%s): storage stays on the direct path", exc)
+            return
+        self.direct = False
+        self.log.error("a direct storage call outlived its task: this rank now stages every transfer")
 
     # ------------------------------------------------------------------ helpers
     def _keys(self, g: _Group, hashes: Sequence[str]) -> list[str]:
         return [storage_key(self.namespace, h, self.rank, g.tag) for h in hashes]
+
+    def _all_keys(self, hashes: Sequence[str]) -> list[str]:
+        return [k for g in self.groups for k in self._keys(g, hashes)]
 
     def _direct_batch(self, gpu_ids: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
         """Per object (kind-major, then block): the address of the block in every layer's cache."""
@@ -147,33 +182,44 @@ class StorageMover:
         sizes = [[g.block_bytes] * len(g.layer_ptrs) for g in self.groups for _ in gpu_ids]
         return ptrs, sizes
 
-    def _staged_batch(self, buffer: str, n: int) -> tuple[list[int], list[int]]:
+    def _staged_batch(self, buf: _Staging, n: int) -> tuple[list[int], list[int]]:
         """Per object (kind-major, then block): its slot in the kind's staging buffer."""
-        ptrs = [getattr(g, buffer) + j * g.object_bytes for g in self.groups for j in range(n)]
+        ptrs = [ptr + j * g.object_bytes for g, ptr in zip(self.groups, buf.ptrs) for j in range(n)]
         return ptrs, [g.object_bytes for g in self.groups for _ in range(n)]
 
-    def _call(self, direction: str, fn: Callable[[], Any], deadline: float, what: str) -> Any:
-        """Run ``fn`` on the direction's I/O thread; None if it fails or outlives the deadline."""
-        future = self._io[direction].submit(fn)
+    def _per_block(self, ok: Sequence[bool], n: int) -> list[bool]:
+        return np.array(ok, dtype=bool).reshape(len(self.groups), n).all(axis=0).tolist()
+
+    def _start(self, direction: str, fn: Callable[[], Any], deadline: float, what: str) -> Future | None:
         try:
-            return future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            self.log.error("storage %s timed out (%s)", what, self.backend.name)
-            if self.direct:
-                self._fall_back_to_staging()
+            return self._io[direction].submit(fn, deadline)
+        except StorageBusy as exc:
+            self.log.error("storage %s not started: %s", what, exc)
             return None
+
+    def _wait(self, future: Future, deadline: float, what: str) -> tuple[Any, bool]:
+        """(result or None, whether the call still runs past the deadline)."""
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic())), False
+        except FutureTimeout:
+            running = not future.cancel()  # a call that had not started never will
+            self.log.error("storage %s timed out (%s)%s", what, self.backend.name,
+                           ": the call is still running" if running else ": never started")
+            return None, running
         except Exception as exc:
             self.log.error("storage %s failed: %s: %s", what, type(exc).__name__, exc)
-            return None
+            return None, False
 
     def _present(self, hashes: Sequence[str], deadline: float, direction: str) -> int:
         """Leading blocks present for every kind (one batched call for all kinds)."""
         def count() -> int:
-            found = self.backend.exists([k for g in self.groups for k in self._keys(g, hashes)])
-            per_block = np.array(found, dtype=np.int64).reshape(len(self.groups), len(hashes)) == 1
-            return _leading(per_block.all(axis=0).tolist())
+            found = self.backend.exists(self._all_keys(hashes))
+            return _leading(self._per_block([f == 1 for f in found], len(hashes)))
 
-        n = self._call(direction, count, deadline, "query")
+        future = self._start(direction, count, deadline, "query")
+        if future is None:
+            return 0
+        n, _ = self._wait(future, deadline, "query")
         return int(n) if n is not None else 0
 
     @staticmethod
@@ -186,84 +232,137 @@ class StorageMover:
             if not h or "/" in h:
                 raise ValueError(f"{what}: key {h!r} must be a non-empty block hash without '/'")
 
+    def _block_bytes(self) -> int:
+        return sum(g.object_bytes for g in self.groups)
+
     # ------------------------------------------------------------------ write
-    def write(self, task: WriteStorageTask) -> list[int]:
-        """Store the blocks; returns the gpu ids of the leading run now stored."""
-        deadline = time.monotonic() + task.timeout
+    def write(self, task: WriteStorageTask, deadline: float | None = None) -> Outcome:
+        """Store the blocks; the value is the gpu ids of the leading run now stored."""
+        deadline = time.monotonic() + task.timeout if deadline is None else deadline
         self._check_ids(task.gpu_block_ids, task.keys, "write")
         self._check_device_ids(task.gpu_block_ids)
         stored = self._present(task.keys, deadline, "write")
-        total = stored
+        total, written, late = stored, 0, None
         for start in range(stored, len(task.keys), self.max_blocks):
-            end = min(start + self.max_blocks, len(task.keys))
-            ok = self._write_chunk(task.keys[start:end], task.gpu_block_ids[start:end], deadline)
-            total += ok
-            if ok < end - start:
+            if time.monotonic() >= deadline:
                 break
-        return list(task.gpu_block_ids[:total])
+            end = min(start + self.max_blocks, len(task.keys))
+            chunk = self._write_chunk(task.keys[start:end], task.gpu_block_ids[start:end], deadline)
+            total += chunk.blocks
+            written += chunk.blocks
+            late = chunk.still_running
+            if chunk.blocks < end - start:
+                break
+        return Outcome(list(task.gpu_block_ids[:total]), written * self._block_bytes(), late)
 
-    def _write_chunk(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float) -> int:
-        direct = self.direct
+    def _write_chunk(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float) -> _Chunk:
+        keys = self._all_keys(hashes)
+        what = f"write of {len(hashes)} blocks"
+        if self.direct:
+            ptrs, sizes = self._direct_batch(gpu_ids)
+            future = self._start("write", lambda: self.backend.batch_set_multi(keys, ptrs, sizes), deadline, what)
+            return self._finish_direct(future, deadline, what, lambda res: [r == 0 for r in res], len(hashes))
+        try:
+            buf = self._take_staging("write")
+        except StorageBusy as exc:
+            self.log.error("storage %s not started: %s", what, exc)
+            return _Chunk()
+        try:
+            # The snapshot is taken here, while the task is live; the I/O thread only reads it.
+            for g, plan in zip(self.groups, buf.plans):
+                self.platform.run_plan(plan, list(gpu_ids), list(range(len(gpu_ids))), ops.DEVICE_TO_HOST)
+        except BaseException:
+            self._staging["write"].put(buf)
+            raise
+        ptrs, sizes = self._staged_batch(buf, len(gpu_ids))
 
-        def job() -> list[bool]:
-            # One batch for every kind: a backend call per kind would add a round trip each.
-            keys = [k for g in self.groups for k in self._keys(g, hashes)]
-            if direct:
-                ptrs, sizes = self._direct_batch(gpu_ids)
-                res = self.backend.batch_set_multi(keys, ptrs, sizes)
-            else:
-                self._register_staging()
-                for g in self.groups:
-                    self.platform.run_plan(g.write_plan, list(gpu_ids), list(range(len(gpu_ids))), ops.DEVICE_TO_HOST)
-                ptrs, sizes = self._staged_batch("write_staging", len(gpu_ids))
-                res = self.backend.batch_set(keys, ptrs, sizes)
-            done = np.array([r == 0 for r in res], dtype=bool).reshape(len(self.groups), len(hashes))
-            return done.all(axis=0).tolist()
+        def job() -> list[int]:
+            self._register(buf)
+            return self.backend.batch_set(keys, ptrs, sizes)
 
-        ok = self._call("write", job, deadline, f"write of {len(hashes)} blocks")
-        return _leading(ok)
+        future = self._start("write", job, deadline, what)
+        if future is None:
+            self._staging["write"].put(buf)
+            return _Chunk()
+        future.add_done_callback(lambda _f: self._staging["write"].put(buf))  # also on cancel
+        res, _ = self._wait(future, deadline, what)  # a late call only reads its own snapshot
+        if res is None:
+            return _Chunk()
+        return _Chunk(_leading(self._per_block([r == 0 for r in res], len(hashes))))
+
+    def _finish_direct(self, future: Future | None, deadline: float, what: str,
+                       ok: Callable[[list[int]], list[bool]], n: int) -> _Chunk:
+        if future is None:
+            return _Chunk()
+        res, running = self._wait(future, deadline, what)
+        if running:
+            self._fall_back_to_staging()
+            return _Chunk(still_running=future)
+        if res is None:
+            return _Chunk()
+        return _Chunk(_leading(self._per_block(ok(res), n)))
 
     # ------------------------------------------------------------------ read
-    def read(self, task: ReadStorageTask) -> list[int]:
-        """Load the leading run of present blocks; returns their gpu ids."""
-        deadline = time.monotonic() + task.timeout
+    def read(self, task: ReadStorageTask, deadline: float | None = None) -> Outcome:
+        """Load the leading run of present blocks; the value is their gpu ids."""
+        deadline = time.monotonic() + task.timeout if deadline is None else deadline
         if task.start_read_block_idx > len(task.keys):
             raise ValueError(f"start_read_block_idx {task.start_read_block_idx} is past the {len(task.keys)} keys")
         hashes = task.keys[task.start_read_block_idx:]
         self._check_ids(task.gpu_block_ids, hashes, "read")
         self._check_device_ids(task.gpu_block_ids)
         present = self._present(hashes, deadline, "read")
-        loaded = 0
+        loaded, late = 0, None
         for start in range(0, present, self.max_blocks):
-            end = min(start + self.max_blocks, present)
-            ok = self._read_chunk(hashes[start:end], task.gpu_block_ids[start:end], deadline)
-            loaded += ok
-            if ok < end - start:
+            if time.monotonic() >= deadline:
                 break
-        return list(task.gpu_block_ids[:loaded])
+            end = min(start + self.max_blocks, present)
+            chunk = self._read_chunk(hashes[start:end], task.gpu_block_ids[start:end], deadline)
+            loaded += chunk.blocks
+            late = chunk.still_running
+            if chunk.blocks < end - start:
+                break
+        return Outcome(list(task.gpu_block_ids[:loaded]), loaded * self._block_bytes(), late)
 
-    def _read_chunk(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float) -> int:
-        direct = self.direct
+    def _read_chunk(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float) -> _Chunk:
+        keys = self._all_keys(hashes)
+        what = f"read of {len(hashes)} blocks"
+        want = np.repeat([g.object_bytes for g in self.groups], len(hashes))
+        full = lambda res: (np.array(res, dtype=np.int64) == want).tolist()  # noqa: E731
+        if self.direct:
+            ptrs, sizes = self._direct_batch(gpu_ids)
+            future = self._start("read", lambda: self.backend.batch_get_multi(keys, ptrs, sizes), deadline, what)
+            return self._finish_direct(future, deadline, what, full, len(hashes))
+        try:
+            buf = self._take_staging("read")
+        except StorageBusy as exc:
+            self.log.error("storage %s not started: %s", what, exc)
+            return _Chunk()
+        ptrs, sizes = self._staged_batch(buf, len(gpu_ids))
 
-        def job() -> list[bool]:
-            keys = [k for g in self.groups for k in self._keys(g, hashes)]
-            if direct:
-                ptrs, sizes = self._direct_batch(gpu_ids)
-                res = self.backend.batch_get_multi(keys, ptrs, sizes)
-            else:
-                self._register_staging()
-                ptrs, sizes = self._staged_batch("read_staging", len(gpu_ids))
-                res = self.backend.batch_get(keys, ptrs, sizes)
-            want = np.repeat([g.object_bytes for g in self.groups], len(hashes))
-            done = (np.array(res, dtype=np.int64) == want).reshape(len(self.groups), len(hashes))
-            return done.all(axis=0).tolist()
+        def job() -> list[int]:
+            self._register(buf)
+            return self.backend.batch_get(keys, ptrs, sizes)
 
-        loaded = _leading(self._call("read", job, deadline, f"read of {len(hashes)} blocks"))
-        if loaded and not direct:
-            # Only after the I/O thread finished with the staging buffer, and only the good prefix.
-            for g in self.groups:
-                self.platform.run_plan(g.read_plan, list(gpu_ids[:loaded]), list(range(loaded)), ops.HOST_TO_DEVICE)
-        return loaded
+        future = self._start("read", job, deadline, what)
+        if future is None:
+            self._staging["read"].put(buf)
+            return _Chunk()
+        res, running = self._wait(future, deadline, what)
+        if running:  # the buffer comes back when the call does
+            future.add_done_callback(lambda _f: self._staging["read"].put(buf))
+            return _Chunk()
+        try:
+            loaded = _leading(self._per_block(full(res), len(hashes))) if res is not None else 0
+            if loaded and time.monotonic() >= deadline:
+                self.log.error("storage %s finished after its deadline: nothing scattered", what)
+                loaded = 0
+            for g, plan in zip(self.groups, buf.plans):  # only the good prefix, only in time
+                if loaded:
+                    self.platform.run_plan(plan, list(gpu_ids[:loaded]), list(range(loaded)), ops.HOST_TO_DEVICE)
+        finally:
+            self._staging["read"].put(buf)
+        return _Chunk(loaded)
 
     def _check_device_ids(self, gpu_ids: Sequence[int]) -> None:
         limit = self.device_blocks
@@ -277,10 +376,10 @@ class StorageMover:
         returned are left to process exit."""
         idle = all(io.stop(timeout) for io in self._io.values())
         if idle:
-            for g in self.groups:
-                for ptr in (g.read_staging, g.write_staging):
-                    if ptr:
-                        self.platform.host_free(ptr)
+            for buf in self._all_staging:
+                for ptr in buf.ptrs:
+                    self.platform.host_free(ptr)
+            self._all_staging.clear()
         if not close_backend:
             return
         closer = threading.Thread(target=self.backend.close, name="storage-close", daemon=True)
@@ -291,16 +390,24 @@ class StorageMover:
 
 
 class _IOThread:
-    """A single daemon worker: a backend call that never returns must not keep the process alive."""
+    """A single daemon worker with a bounded backlog: a backend call that never returns must not
+    keep the process alive, and calls queued behind it must neither pile up nor start late."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, backlog: int):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._backlog = backlog
+        self._queued = 0
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
+    def submit(self, fn: Callable[[], Any], deadline: float) -> Future:
+        with self._lock:
+            if self._queued >= self._backlog:
+                raise StorageBusy(f"{self._queued} backend calls already wait on {self._thread.name}")
+            self._queued += 1
         future: Future = Future()
-        self._queue.put((fn, future))
+        self._queue.put((fn, future, deadline))
         return future
 
     def _run(self) -> None:
@@ -308,12 +415,16 @@ class _IOThread:
             item = self._queue.get()
             if item is None:
                 return
-            fn, future = item
+            fn, future, deadline = item
+            with self._lock:
+                self._queued -= 1
+            if time.monotonic() >= deadline:
+                future.cancel()  # its task has answered: starting now would act on what it no longer owns
             if not future.set_running_or_notify_cancel():
                 continue
             try:
                 future.set_result(fn())
-            except BaseException as exc:
+            except BaseException as exc:  # the task's thread reports it; this thread lives on
                 future.set_exception(exc)
 
     def stop(self, timeout: float) -> bool:

@@ -9,6 +9,13 @@ from ops.shm import unlink_segments
 _instances = itertools.count()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _ctm_logs(tmp_path_factory):
+    """CTM logs of the whole run in one pytest temp dir, not in the checkout's ./log."""
+    os.environ.setdefault("CTM_LOG_DIR", str(tmp_path_factory.mktemp("ctm-logs")))
+    yield
+
+
 @pytest.fixture
 def cpu():
     """A CPU platform with a unique instance id; fails the test if it leaves a segment behind."""
