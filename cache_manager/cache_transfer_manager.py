@@ -8,10 +8,16 @@ Start-up: check every flag (a bad value exits non-zero naming the flag, before a
 is attached), wait for ``cache_ready_signal[rank]`` with a timeout, attach every layer's
 device caches (extra speculative layers and fp8 scales included), allocate host swap
 space, set ``swap_space_ready_signal``, join the EngineCacheQueue and set
-``cache_transfer_inited_signal``.  Then serve: tasks go to one thread pool per kind and
-each rank sends its own result.  The process exits by itself when the engine is gone
-(its parent or ``--engine_pid`` died, or ``worker_healthy_live_signal`` is older than
-``FD_CACHE_PROC_EXIT_TIMEOUT`` seconds), and cleanly on SIGTERM.
+``cache_transfer_inited_signal``.  Then serve: the ``TaskScheduler`` orders tasks that share
+a block, drops those past their deadline, and runs the rest on one thread pool per kind;
+each rank sends its own result.
+
+Liveness: the process exits by itself once the engine *process* is gone (``--engine_pid``,
+watched through a pidfd, else the parent) and only then removes the segments the engine
+can no longer unlink.  A ``worker_healthy_live_signal`` that stops changing for
+``FD_CACHE_PROC_EXIT_TIMEOUT`` seconds (measured on this process's monotonic clock, so wall
+clock steps do not matter) is logged and nothing more: a paused engine keeps its caches.
+SIGTERM gives a clean exit.
 """
 from __future__ import annotations
 
@@ -20,20 +26,21 @@ import importlib
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 import ops
 from ops.procs import pid_alive
 from ops.shm import SharedMemorySegment, unlink_segments
-from transfer_factory import StorageConfigError, create_storage_backend
+from transfer_factory import StorageConfigError, backend_names, create_storage_backend
 from transfer_factory.keys import Namespace
 
 from .cache_spec import CacheSpec
@@ -49,12 +56,13 @@ from .cache_data import (
     CacheStatus,
     cache_name,
 )
-from .cache_tasks import ControlTask, RankResult, ReadStorageTask, SwapTask, TaskFormatError, task_from_wire
+from .cache_tasks import (ControlTask, Outcome, RankResult, ReadStorageTask, SwapTask, TaskFormatError, task_deadline,
+                          task_from_wire)
+from .task_scheduler import TaskScheduler
 from .engine_cache_queue import EngineCacheQueueClient
 from .storage_mover import TRANSFER_MODES, StorageMover, staging_blocks
 from .ipc_signal import IPCSignal, signal_segment_name
 
-STORAGE_BACKENDS = ("mooncake", "file", "attention_store", "ems", "none")
 CACHE_DTYPES = ("uint8", "bfloat16", "block_wise_fp8")
 EXIT_TIMEOUT_ENV = "FD_CACHE_PROC_EXIT_TIMEOUT"
 
@@ -137,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative_config", type=_json, default={})
     p.add_argument("--create_cache_tensor", type=_flag, nargs="?", const=True, default=False,
                    help="FastDeploy compatibility only: a CTM never allocates device caches")
-    p.add_argument("--kvcache_storage_backend", default="none", choices=STORAGE_BACKENDS)
+    p.add_argument("--kvcache_storage_backend", default="none", choices=backend_names() + ("none",))
     p.add_argument("--write_policy", default="write_through", choices=["write_through", "none"])
     p.add_argument("--model_path", default="")
     # this project's own
@@ -237,8 +245,13 @@ class CacheTransferManager:
         self.pools: dict[str, ThreadPoolExecutor] = {}
         self.queue: EngineCacheQueueClient | None = None
         self.storage: StorageMover | None = None
+        self.scheduler: TaskScheduler | None = None
         self.recv_seq = 0
         self.exit_timeout = float(os.environ.get(EXIT_TIMEOUT_ENV, "30"))
+        self._engine_fd: int | None = None
+        self._beat_value: int | None = None
+        self._beat_seen = time.monotonic()
+        self._beat_stale_logged = False
 
     # -- start-up -------------------------------------------------------------
     def _attach_signal(self, name: str, shape: int) -> IPCSignal:
@@ -326,31 +339,64 @@ class CacheTransferManager:
         for kind, workers in (("swap_to_cpu", a.swap_threads), ("swap_to_gpu", a.swap_threads),
                               ("read_storage", 1), ("write_storage", 1), ("control", 1)):
             self.pools[kind] = ThreadPoolExecutor(workers, thread_name_prefix=kind, initializer=init)
+        self.scheduler = TaskScheduler(self.pools, self.rank, self.queue.send_result, self.log)
         self._attach_signal(CACHE_TRANSFER_INITED_SIGNAL, a.mp_num).value[self.rank] = 1
         self.log.info("ready: rank %d of %d, pid %d", self.rank, a.mp_num, os.getpid())
 
     # -- liveness ---------------------------------------------------------------
-    def _check_engine(self) -> None:
+    def _engine_exited(self) -> bool:
+        """True once the engine process is gone.  A pidfd cannot be fooled by a reused pid."""
         engine_pid = self.args.engine_pid
-        if engine_pid is not None:
-            if not pid_alive(engine_pid):
-                raise EngineGone(f"engine process {engine_pid} is gone")
-        elif os.getppid() != self.parent_pid:
-            raise EngineGone(f"parent process {self.parent_pid} is gone")
+        if engine_pid is None:
+            return os.getppid() != self.parent_pid
+        if self._engine_fd is None and hasattr(os, "pidfd_open"):
+            try:
+                self._engine_fd = os.pidfd_open(engine_pid)
+            except ProcessLookupError:
+                return True
+            except OSError:
+                self._engine_fd = -1  # no pidfd here: fall back to the pid
+        if self._engine_fd is not None and self._engine_fd >= 0:
+            return bool(select.select([self._engine_fd], [], [], 0)[0])
+        return not pid_alive(engine_pid)
+
+    def _check_engine(self) -> None:
+        if self._engine_exited():
+            who = f"engine process {self.args.engine_pid}" if self.args.engine_pid else f"parent {self.parent_pid}"
+            raise EngineGone(f"{who} is gone")
         heartbeat = self.signals.get(WORKER_HEALTHY_LIVE_SIGNAL)
-        if heartbeat is not None:
-            last = int(heartbeat.value[0])
-            if last > 0 and time.time() - last > self.exit_timeout:
-                raise EngineGone(f"worker_healthy_live_signal is {time.time() - last:.0f}s old "
-                                 f"(> {EXIT_TIMEOUT_ENV}={self.exit_timeout:g})")
+        if heartbeat is None:
+            return
+        value, now = int(heartbeat.value[0]), time.monotonic()
+        if value != self._beat_value:
+            if self._beat_stale_logged:
+                self.log.warning("worker_healthy_live_signal moves again: the engine is back")
+            self._beat_value, self._beat_seen, self._beat_stale_logged = value, now, False
+        elif now - self._beat_seen > self.exit_timeout and not self._beat_stale_logged:
+            # A live engine that stopped beating is paused (SIGSTOP, swapped out, a debugger):
+            # its caches are still its own, so nothing is removed and the CTM keeps serving.
+            self.log.warning("worker_healthy_live_signal has not changed for %.0fs (> %s=%g) but the engine "
+                             "process is alive: keeping its caches and serving on", now - self._beat_seen,
+                             EXIT_TIMEOUT_ENV, self.exit_timeout)
+            self._beat_stale_logged = True
 
     # -- serving ----------------------------------------------------------------
     def serve(self) -> None:
-        assert self.queue is not None
+        assert self.queue is not None and self.scheduler is not None
         while not self.stop_event.is_set():
-            for wire_task in self.queue.poll(1000):
-                self._dispatch(wire_task)
+            try:
+                for wire_task in self.queue.poll(self._poll_ms()):
+                    self._dispatch(wire_task)
+                self.scheduler.expire_waiting()
+            except Exception:  # one bad iteration must not end the serve loop
+                self.log.exception("serve loop iteration failed; serving on")
             self._check_engine()
+
+    def _poll_ms(self) -> int:
+        soonest = self.scheduler.next_deadline() if self.scheduler else None
+        if soonest is None:
+            return 1000
+        return max(1, min(1000, int((soonest - time.monotonic()) * 1000) + 1))
 
     def _dispatch(self, wire_task: dict) -> None:
         seq = self.recv_seq
@@ -359,39 +405,34 @@ class CacheTransferManager:
         task_id = task_id if isinstance(task_id, str) else "?"
         try:
             task = task_from_wire(wire_task)
+            deadline = task_deadline(wire_task)
         except TaskFormatError as exc:
             self.log.error("task %s refused: %s", task_id, exc)
             self.queue.send_result(RankResult(task_id, self.rank, False, error=str(exc), recv_seq=seq))
             return
+        submit = self.scheduler.submit
         if isinstance(task, SwapTask):
             kind = "swap_to_cpu" if task.event_type == CacheStatus.SWAP2CPU else "swap_to_gpu"
-            self._submit(kind, task.task_id, seq, lambda: self._swap(task))
+            touched = [("gpu", g) for g in task.gpu_block_ids] + [("cpu", c) for c in task.cpu_block_ids]
+            submit(task.task_id, seq, kind, touched, deadline, lambda: self._swap(task))
         elif isinstance(task, ControlTask):
-            self._submit("control", task.task_id, seq, lambda: self._control(task))
+            submit(task.task_id, seq, "control", (), deadline, lambda: self._control(task))
         else:
-            self._submit("read_storage" if task.event_type == CacheStatus.STORAGE2GPU else "write_storage",
-                         task.task_id, seq, lambda: self._storage(task))
+            kind = "read_storage" if task.event_type == CacheStatus.STORAGE2GPU else "write_storage"
+            touched = [("gpu", g) for g in task.gpu_block_ids]
+            # A storage task that cannot run in time moved 0 blocks, as one whose store is down.
+            submit(task.task_id, seq, kind, touched, deadline, lambda: self._storage(task, deadline), drop_value=[])
 
-    def _submit(self, pool: str, task_id: str, seq: int, fn: Callable[[], Any]) -> None:
-        def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                value = fn()
-                result = RankResult(task_id, self.rank, True, value=value, recv_seq=seq)
-            except Exception as exc:  # the task fails; the CTM keeps serving
-                self.log.error("task %s failed: %s: %s", task_id, type(exc).__name__, exc)
-                result = RankResult(task_id, self.rank, False, error=f"{type(exc).__name__}: {exc}", recv_seq=seq)
-            result.elapsed_ms = (time.perf_counter() - t0) * 1e3
-            self.queue.send_result(result)
-
-        self.pools[pool].submit(run)
-
-    def _swap(self, task: SwapTask) -> None:
+    def _swap(self, task: SwapTask) -> Outcome:
         if self.args.num_cpu_blocks == 0:
             raise ValueError("this CTM has no host swap space (--num_cpu_blocks 0)")
         mode = ops.DEVICE_TO_HOST if task.event_type == CacheStatus.SWAP2CPU else ops.HOST_TO_DEVICE
         for g in self.groups:
             self.platform.run_plan(g.swap_plan, task.gpu_block_ids, task.cpu_block_ids, mode)
+        return Outcome(bytes_moved=len(task.gpu_block_ids) * self._block_bytes_all_layers())
+
+    def _block_bytes_all_layers(self) -> int:
+        return sum(int(np.prod(t.shape[1:])) * t.element_size() for g in self.groups for t in g.tensors)
 
     def _control(self, task: ControlTask) -> Any:
         if task.command == "ping":
@@ -402,17 +443,23 @@ class CacheTransferManager:
             return None
         raise ValueError(f"unknown control command {task.command!r}")
 
-    def _storage(self, task: Any) -> Any:
+    def _storage(self, task: Any, deadline: float | None) -> Outcome:
         if self.storage is None:
             raise ValueError("no storage backend configured (--kvcache_storage_backend none)")
+        if deadline is None:
+            deadline = time.monotonic() + task.timeout
         if isinstance(task, ReadStorageTask):
-            return self.storage.read(task)
-        return self.storage.write(task)
+            return self.storage.read(task, deadline)
+        return self.storage.write(task, deadline)
 
     # -- shutdown ---------------------------------------------------------------
     def close(self, engine_gone: bool) -> None:
-        if engine_gone and self.args.platform == "cpu":
-            self._remove_orphans()  # first: nothing below may delay it
+        if engine_gone:
+            if self.args.platform == "cpu":
+                self._remove_orphans()
+            # The engine is gone: nobody waits for answers, and a storage client or a task stuck
+            # in a backend call may take many seconds to wind down.  main() exits at once.
+            return
         for pool in self.pools.values():
             pool.shutdown(wait=True, cancel_futures=True)
         if self.storage is not None:
@@ -477,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         ctm.close(engine_gone)
+    if engine_gone:
+        logging.shutdown()  # flush the rank's log, then skip interpreter teardown (and client destructors)
+        os._exit(0)
     return code
 
 

@@ -18,7 +18,14 @@ of them (a rank that fails is named, with the tail of its log).  Every task retu
 * with ``RankDiedError`` at once when a rank's process dies (``restart_rank`` brings it back).
 
 A resolved future also carries ``rank_results``: each rank's ``RankResult`` (its receive
-order, its time), for diagnostics.
+order, its time, the bytes it moved).
+
+Two-phase completion (DESIGN §3.8): every future has ``released``, a second future that
+resolves once every rank has let go of the task's blocks: it answered (in time or late, and
+for a direct storage call that outlived its deadline, once that call returned), died, or was
+restarted.  The engine must not reuse the device blocks or host slots of a failed or
+timed-out task before ``future.released`` is done.  Every task carries its deadline on
+CLOCK_MONOTONIC (shared by the host's processes); a rank never starts a task past it.
 
 ``shutdown()`` stops the CTMs (SIGTERM, then SIGKILL), closes the queue and unlinks every
 segment; the service is also a context manager.  A supervisor thread enforces the
@@ -33,7 +40,6 @@ import logging
 import os
 import select
 import socket
-import tempfile
 import threading
 import time
 from concurrent.futures import Future
@@ -95,8 +101,23 @@ class _Pending:
     future: Future
     deadline: float
     timeout: float
+    unreleased: set[int]  # ranks that may still touch the task's blocks
     results: dict[int, RankResult] = field(default_factory=dict)
     submitted: float = field(default_factory=time.perf_counter)
+
+
+def _new_future(released: bool = False) -> Future:
+    future: Future = Future()
+    future.set_running_or_notify_cancel()
+    future.released = Future()  # type: ignore[attr-defined]
+    if released:
+        future.released.set_result(None)  # type: ignore[attr-defined]
+    return future
+
+
+def default_log_dir() -> str:
+    """Where CTM logs go unless told otherwise: ``$CTM_LOG_DIR``, else ``./log`` (as FastDeploy's ``log/``)."""
+    return os.path.abspath(os.environ.get("CTM_LOG_DIR") or "log")
 
 
 class CacheTransferService:
@@ -142,10 +163,11 @@ class CacheTransferService:
         self.task_timeout = task_timeout
         self.ready_timeout = ready_timeout
         self.stop_grace = stop_grace
-        from transfer_factory import BACKEND_NAMES
+        from transfer_factory import backend_names
 
-        if storage_backend != "none" and storage_backend not in BACKEND_NAMES:
-            raise ValueError(f"storage_backend {storage_backend!r} must be 'none' or one of {BACKEND_NAMES}")
+        known = backend_names({**os.environ, **(extra_env or {})})  # the CTMs see both
+        if storage_backend != "none" and storage_backend not in known:
+            raise ValueError(f"storage_backend {storage_backend!r} must be 'none' or one of {known}")
         self.storage_backend = storage_backend
         self.storage_options = dict(storage_options or {})
         self.storage_transfer = storage_transfer
@@ -153,7 +175,7 @@ class CacheTransferService:
         self.model_version = model_version
         self.extra_flags = dict(extra_flags or {})
         self.extra_env = dict(extra_env or {})
-        self.log_dir = log_dir or tempfile.mkdtemp(prefix=f"ctm-logs-{self.port}-")
+        self.log_dir = os.path.abspath(log_dir) if log_dir else default_log_dir()
         self.instance = str(self.port)
 
         self.platform = ops.get_platform(platform, **({"instance": self.instance} if platform == "cpu" else {}))
@@ -164,6 +186,8 @@ class CacheTransferService:
         self._dead: dict[int, str] = {}
         self._secret = wire.new_secret()
         self._pending: dict[str, _Pending] = {}
+        self._unreleased: dict[str, _Pending] = {}  # failed or timed out, some rank not yet released
+        self.supervisor_errors = 0
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._stop = threading.Event()
@@ -272,22 +296,30 @@ class CacheTransferService:
             raise ValueError(f"timeout {timeout!r} must be positive")
         task = dict(task)
         task.setdefault("task_id", f"t{next(self._ids)}")
-        future: Future = Future()
-        future.set_running_or_notify_cancel()
+        now = time.monotonic()
+        task["deadline"] = now + timeout  # the ranks' deadline, on the clock every process of the host shares
         with self._lock:
             if self._closed or self.server is None:
+                future = _new_future(released=True)
                 future.set_exception(ServiceClosed("the CTM service is not running"))
                 return future
-            if task["task_id"] in self._pending:
+            if task["task_id"] in self._pending or task["task_id"] in self._unreleased:
                 raise ValueError(f"task id {task['task_id']!r} is already pending")
             dead = dict(self._dead)
             if dead:
                 rank, detail = min(dead.items())
+                future = _new_future(released=True)
                 future.set_exception(RankDiedError(task["task_id"], rank, detail))
                 return future
-            self._pending[task["task_id"]] = _Pending(task, future, time.monotonic() + timeout + grace, timeout + grace)
+            future = _new_future()
+            self._pending[task["task_id"]] = _Pending(task, future, now + timeout + grace, timeout + grace,
+                                                      set(range(self.tp)))
         unreachable = self.server.broadcast(task)
         if unreachable:
+            with self._lock:
+                pending = self._pending.get(task["task_id"])
+                if pending is not None:
+                    pending.unreleased -= set(unreachable)  # it never reached them
             self._fail_task(task["task_id"], RankDiedError(task["task_id"], unreachable[0], "is not connected to the queue"))
         return future
 
@@ -344,11 +376,20 @@ class CacheTransferService:
         with self._lock:
             pending = self._pending.get(result.task_id)
             if pending is None:
-                return  # already failed (timeout or a dead rank): a late answer changes nothing
+                self._late_result_locked(result)  # the future failed already; the answer may release blocks
+                return
+            if result.released:
+                pending.unreleased.discard(result.rank)
+            if result.rank in pending.results:
+                return  # a release note after the rank's answer
             pending.results[result.rank] = result
             if len(pending.results) < self.tp:
                 return
             del self._pending[result.task_id]
+            if pending.unreleased:
+                self._unreleased[result.task_id] = pending
+        if not pending.unreleased:
+            pending.future.released.set_result(None)
         now = time.perf_counter()
         self.latencies_ms.append((now - pending.submitted) * 1e3)
         self.task_intervals.append((pending.submitted, now))
@@ -371,8 +412,38 @@ class CacheTransferService:
     def _fail_task(self, task_id: str, error: Exception) -> None:
         with self._lock:
             pending = self._pending.pop(task_id, None)
+            if pending is not None and pending.unreleased:
+                self._unreleased[task_id] = pending
         if pending is not None:
             pending.future.set_exception(error)
+            if not pending.unreleased:
+                pending.future.released.set_result(None)
+
+    def _late_result_locked(self, result: RankResult) -> None:
+        pending = self._unreleased.get(result.task_id)
+        if pending is None or not result.released:
+            return
+        pending.unreleased.discard(result.rank)
+        if not pending.unreleased:
+            del self._unreleased[result.task_id]
+            pending.future.released.set_result(None)
+
+    def _release_rank(self, rank: int) -> None:
+        """A dead or restarted rank touches nothing any more."""
+        done = []
+        with self._lock:
+            for task_id, pending in list(self._unreleased.items()):
+                pending.unreleased.discard(rank)
+                if not pending.unreleased:
+                    del self._unreleased[task_id]
+                    done.append(pending)
+        for pending in done:
+            pending.future.released.set_result(None)
+
+    def unreleased_tasks(self) -> dict[str, list[int]]:
+        """Failed or timed-out tasks that some rank may still act on: task id -> those ranks."""
+        with self._lock:
+            return {tid: sorted(p.unreleased) for tid, p in self._unreleased.items()}
 
     # ------------------------------------------------------------------ supervision
     def _beat(self) -> None:
@@ -381,22 +452,33 @@ class CacheTransferService:
     def _supervise(self) -> None:
         last_beat = 0.0
         while not self._stop.is_set():
-            pidfds = self._pidfds()
+            try:
+                last_beat = self._supervise_once(last_beat)
+            except Exception:  # deadlines and the heartbeat must outlive one bad iteration
+                self.supervisor_errors += 1
+                logger.exception("supervisor iteration failed; supervising on")
+                self._stop.wait(_SUPERVISOR_TICK)
+
+    def _supervise_once(self, last_beat: float) -> float:
+        pidfds = self._pidfds()
+        try:
             if pidfds:
                 select.select(list(pidfds), [], [], _SUPERVISOR_TICK)
             else:
                 self._stop.wait(_SUPERVISOR_TICK)
+        finally:
             for fd in pidfds:
                 os.close(fd)
-            now = time.monotonic()
-            if now - last_beat >= 1.0:
-                self._beat()
-                self.server.pump()  # registers task connections, drains anything else sent there
-                last_beat = now
-            for rank, proc in list(self.procs.items()):
-                if not proc.alive() and rank not in self._dead:
-                    self._rank_died(rank, proc)
-            self._expire(now)
+        now = time.monotonic()
+        if now - last_beat >= 1.0:
+            self._beat()
+            self.server.pump()  # registers task connections, drains anything else sent there
+            last_beat = now
+        for rank, proc in list(self.procs.items()):
+            if not proc.alive() and rank not in self._dead:
+                self._rank_died(rank, proc)
+        self._expire(now)
+        return last_beat
 
     def _pidfds(self) -> dict[int, int]:
         fds = {}
@@ -419,18 +501,27 @@ class CacheTransferService:
             self._dead[rank] = detail
             failed = list(self._pending.items())
             self._pending.clear()
+            for task_id, pending in failed:
+                pending.unreleased.discard(rank)
+                if pending.unreleased:  # the live ranks may still be working on it
+                    self._unreleased[task_id] = pending
         if self.server is not None:
             self.server.forget_rank(rank)
         for task_id, pending in failed:
             pending.future.set_exception(RankDiedError(task_id, rank, detail))
+            if not pending.unreleased:
+                pending.future.released.set_result(None)
+        self._release_rank(rank)
 
     def _expire(self, now: float) -> None:
         with self._lock:
             expired = [(tid, p) for tid, p in self._pending.items() if p.deadline <= now]
-            for tid, _ in expired:
+            for tid, p in expired:
                 del self._pending[tid]
+                self._unreleased[tid] = p  # every rank that has not answered may still act on it
         for tid, p in expired:
             missing = sorted(set(range(self.tp)) - set(p.results))
+            p.future.rank_results = dict(sorted(p.results.items()))
             p.future.set_exception(TaskTimeoutError(tid, missing, p.timeout))
 
     def restart_rank(self, rank: int) -> None:
@@ -450,6 +541,7 @@ class CacheTransferService:
         deadline = time.monotonic() + 5.0
         while rank in self.server.registered_ranks() and time.monotonic() < deadline:
             time.sleep(0.01)
+        self._release_rank(rank)  # the old process is gone: it touches nothing any more
         self.procs[rank] = self._launch(rank)
         self._wait_ready([rank])
         with self._lock:
@@ -465,9 +557,14 @@ class CacheTransferService:
             self._closed = True
             pending = list(self._pending.values())
             self._pending.clear()
+            unreleased = list(self._unreleased.values())
+            self._unreleased.clear()
         atexit.unregister(self.shutdown)
         for p in pending:
             p.future.set_exception(ServiceClosed(f"task {p.task.get('task_id')} cancelled: the service shut down"))
+        for p in pending + unreleased:
+            if not p.future.released.done():
+                p.future.released.set_result(None)  # the caches are going away with the service
         self._stop.set()
         if self._supervisor is not None:
             self._supervisor.join(5.0)

@@ -1,0 +1,343 @@
+"""The fault matrix (DESIGN §3.8, §4): each row causes a fault for real at TP=2 with real CTM
+processes and asserts what the engine sees afterwards, byte for byte.
+
+Rows elsewhere, each next to the machinery it needs: a full filesystem
+(``test_file_store_full_disk.py``), a real Mooncake master under SIGSTOP
+(``test_mooncake_faults.py``), replayed, unauthenticated and malformed frames and an
+exception in the queue's I/O loop (``test_queue_hardening.py``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from engine_hooks import TaskTimeoutError
+from tests.service_helpers import fill_distinct, process_gone, segments_of, start_service, views
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLUGIN_ENV = {"CTM_STORAGE_PLUGINS": "latched=tests.latched_store:LatchedStore"}
+TIMEOUT = 1.0
+GRACE = 5.0  # what the service adds to a storage task's timeout for the ranks' answers to arrive
+
+
+def _blocks(svc, ids) -> dict:
+    return {k: v[list(ids)].copy() for k, v in views(svc).items()}
+
+
+def _write_blocks(svc, ids, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    for v in views(svc).values():
+        v[list(ids)] = rng.integers(0, 256, v[list(ids)].shape, dtype=np.uint8)
+    return _blocks(svc, ids)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def _wait_for(predicate, timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+# ---------------------------------------------------------------- stalled backend
+class Latch:
+    def __init__(self, path):
+        self.dir = path
+        path.mkdir()
+
+    def close(self, call: str) -> None:
+        (self.dir / call).touch()
+
+    def open(self, call: str) -> None:
+        (self.dir / call).unlink()
+
+    def seen(self, call: str, what: str, tp: int = 2) -> bool:
+        return all((self.dir / f"{call}.{what}.{r}").exists() for r in range(tp))
+
+
+@pytest.fixture(params=["staged", "direct"])  # fresh: a stuck direct call moves a rank to staging
+def latched(request, tmp_path):
+    root = tmp_path
+    latch = Latch(root / "latch")
+    svc = start_service(storage_backend="latched", storage_transfer=request.param, extra_env=PLUGIN_ENV,
+                        storage_options={"root": str(root / "store"), "latch_dir": str(latch.dir), "fsync": False})
+    yield request.param, svc, latch
+    svc.shutdown()
+
+
+def _hashes(tag: str, n: int) -> list[str]:
+    return [f"{tag}{i:04d}{os.getpid():08x}" for i in range(n)]
+
+
+def test_stalled_backend_write_never_stores_bytes_written_after_the_task(latched):
+    mode, svc, latch = latched
+    call = "batch_set" if mode == "staged" else "batch_set_multi"
+    fill_distinct(svc, seed=1)
+    hashes, blocks = _hashes(f"w{mode}", 2), [1, 2]
+    original = _blocks(svc, blocks)
+    latch.close(call)
+    t0 = time.monotonic()
+    future = svc.write_storage(hashes, blocks, timeout=TIMEOUT)
+    stored = future.result(timeout=TIMEOUT + GRACE + 5)
+    answered_s = time.monotonic() - t0
+    assert stored == [] and answered_s < TIMEOUT + GRACE, (stored, answered_s)
+    _wait_for(lambda: latch.seen(call, "entered"), 5, "the latched call to start")
+    if mode == "staged":
+        # The late call holds only its snapshot: the blocks are the engine's again at once.
+        assert future.released.done()
+    else:
+        # A direct call still reads the device blocks: they stay the task's until it returns.
+        time.sleep(0.3)
+        assert not future.released.done()
+        assert svc.unreleased_tasks()
+    if mode == "staged":
+        _write_blocks(svc, blocks, seed=2)  # the engine reuses the blocks
+    latch.open(call)
+    future.released.result(timeout=10)
+    if mode == "direct":
+        _write_blocks(svc, blocks, seed=2)  # only now may the engine reuse them
+    _wait_for(lambda: latch.seen(call, "done"), 10, "the late call to return")
+    reused = _blocks(svc, blocks)
+    time.sleep(0.2)
+    assert _same(_blocks(svc, blocks), reused), "a device block changed after the task answered"
+    # What the store holds under those hashes is the original bytes or nothing, never the new ones.
+    target = [5, 6]
+    _write_blocks(svc, target, seed=3)
+    loaded = svc.read_storage(hashes, target, timeout=10).result(timeout=20)
+    got = _blocks(svc, target)
+    for i, block in enumerate(loaded):
+        for k in got:
+            assert np.array_equal(got[k][i], original[k][i]), f"block {block} ({k}) is not the original bytes"
+            assert not np.array_equal(got[k][i], reused[k][i])
+
+
+def test_stalled_backend_read_never_changes_a_device_block_after_the_task(latched):
+    mode, svc, latch = latched
+    call = "batch_get" if mode == "staged" else "batch_get_multi"
+    fill_distinct(svc, seed=4)
+    hashes = _hashes(f"r{mode}", 2)
+    original = _blocks(svc, [1, 2])
+    assert svc.write_storage(hashes, [1, 2], timeout=10).result(timeout=20) == [1, 2]
+    target = [7, 8]
+    _write_blocks(svc, target, seed=5)
+    latch.close(call)
+    t0 = time.monotonic()
+    future = svc.read_storage(hashes, target, timeout=TIMEOUT)
+    loaded = future.result(timeout=TIMEOUT + GRACE + 5)
+    answered_s = time.monotonic() - t0
+    assert loaded == [] and answered_s < TIMEOUT + GRACE, (loaded, answered_s)
+    _wait_for(lambda: latch.seen(call, "entered"), 5, "the latched call to start")
+    if mode == "staged":
+        assert future.released.done()
+        reused = _write_blocks(svc, target, seed=6)  # the engine computes into the blocks
+        latch.open(call)
+        _wait_for(lambda: latch.seen(call, "done"), 10, "the late call to return")
+        time.sleep(0.3)
+        assert _same(_blocks(svc, target), reused), "a late read scattered into reused device blocks"
+    else:
+        time.sleep(0.3)
+        assert not future.released.done()  # the direct read may still write the blocks
+        latch.open(call)
+        future.released.result(timeout=10)
+        reused = _write_blocks(svc, target, seed=6)
+        time.sleep(0.3)
+        assert _same(_blocks(svc, target), reused)
+    # The store still serves the original bytes.
+    assert svc.read_storage(hashes, [9, 10], timeout=10).result(timeout=20) == [9, 10]
+    assert _same(_blocks(svc, [9, 10]), original)
+
+
+def test_stalled_backend_backlog_is_bounded_and_fails_tasks_fast(latched):
+    """A backend stuck for good: tasks keep failing in time; nothing piles up; it recovers."""
+    mode, svc, latch = latched
+    call = "exists"
+    fill_distinct(svc, seed=7)
+    latch.close(call)
+    try:
+        futures = [svc.write_storage(_hashes(f"b{mode}{i}", 1), [3 + i], timeout=0.5) for i in range(8)]
+        t0 = time.monotonic()
+        results = [f.result(timeout=0.5 + GRACE + 5) for f in futures]
+        assert results == [[]] * 8
+        assert time.monotonic() - t0 < 0.5 + GRACE
+        assert all(f.released.done() for f in futures)  # nothing of them touches a device block
+    finally:
+        latch.open(call)
+    hashes = _hashes(f"after{mode}", 1)
+    assert svc.write_storage(hashes, [3], timeout=10).result(timeout=20) == [3]
+
+
+# ---------------------------------------------------------------- order of dependent swaps
+@pytest.fixture(scope="module")
+def svc():
+    service = start_service(extra_flags={"swap_threads": 2})
+    yield service
+    service.shutdown()
+
+
+def test_dependent_swaps_take_effect_in_submission_order(svc):
+    """1,000 swap-out/swap-in pairs through the same host slot, submitted with no wait between."""
+    rng = np.random.default_rng(11)
+    v = views(svc)
+    num_blocks = svc.spec.num_blocks
+    sequences = 0
+    while sequences < 1000:
+        ids = rng.permutation(num_blocks)[:8]
+        slots = rng.permutation(svc.num_cpu_blocks)[:4].tolist()
+        sources, targets = ids[:4].tolist(), ids[4:].tolist()
+        for view in v.values():
+            view[sources] = rng.integers(0, 256, view[sources].shape, dtype=np.uint8)
+        want = {k: view[sources].copy() for k, view in v.items()}
+        futures = []
+        for src, dst, slot in zip(sources, targets, slots):
+            futures.append(svc.swap_to_cpu([src], [slot]))
+            futures.append(svc.swap_to_gpu([dst], [slot]))
+        for f in futures:
+            f.result(timeout=20)
+        for k, view in v.items():
+            assert np.array_equal(view[targets], want[k]), f"sequence {sequences}: {k} out of order"
+        sequences += len(sources)
+
+
+# ---------------------------------------------------------------- a stalled rank
+def test_a_swap_queued_on_a_stopped_rank_never_touches_the_reused_block(svc):
+    fill_distinct(svc, seed=12)
+    assert svc.swap_to_cpu([4], [5]).result(timeout=20)
+    held = views(svc)
+    pid = svc.pids()[1]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        future = svc.swap_to_gpu([6], [5], timeout=TIMEOUT)
+        with pytest.raises(TaskTimeoutError) as err:
+            future.result(timeout=TIMEOUT + 5)
+        assert err.value.missing_ranks == [1]
+        assert not future.released.done()  # rank 1 has not let go: the engine may not reuse block 6 yet
+        rng = np.random.default_rng(13)
+        for (rank, _, _), view in held.items():
+            view[6] = rng.integers(0, 256, view[6].shape, dtype=np.uint8)  # the engine reuses block 6 anyway
+        reused = _blocks(svc, [6])
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    future.released.result(timeout=10)  # rank 1 answered: it dropped the task, past its deadline
+    time.sleep(0.2)
+    assert _same(_blocks(svc, [6]), reused), "the late swap overwrote a block the engine reused"
+    assert svc.swap_to_gpu([6], [5]).result(timeout=20)  # and the rank serves on
+
+
+# ---------------------------------------------------------------- the supervisor survives
+def test_an_exception_in_the_supervisor_does_not_stop_deadlines(svc, monkeypatch):
+    real = svc._expire
+    calls = {"n": 0}
+
+    def failing_once(now):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected supervisor fault")
+        return real(now)
+
+    monkeypatch.setattr(svc, "_expire", failing_once)
+    errors = svc.supervisor_errors
+    _wait_for(lambda: svc.supervisor_errors > errors, 5, "the injected fault")
+    assert svc._supervisor.is_alive()
+    pid = svc.pids()[0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TaskTimeoutError):
+            svc.control("ping", timeout=0.5).result(timeout=5)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    fill_distinct(svc, seed=14)
+    want = _blocks(svc, [9])
+    svc.swap_to_cpu([9], [1]).result(timeout=20)
+    _write_blocks(svc, [9], seed=15)
+    svc.swap_to_gpu([9], [1]).result(timeout=20)
+    assert _same(_blocks(svc, [9]), want)
+
+
+# ---------------------------------------------------------------- a paused engine
+PAUSED_ENGINE = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, %r)
+    import numpy as np
+    from tests.service_helpers import start_service, fill_distinct, views
+    svc = start_service()
+    fill_distinct(svc, seed=21)
+    print(json.dumps({"port": svc.port, "pids": list(svc.pids().values())}), flush=True)
+    sys.stdin.readline()
+    v = views(svc)
+    want = {k: view[[3]].copy() for k, view in v.items()}
+    svc.swap_to_cpu([3], [0]).result(timeout=20)
+    for view in v.values():
+        view[[3]] = 0
+    svc.swap_to_gpu([3], [0]).result(timeout=20)
+    ok = all(np.array_equal(view[[3]], want[k]) for k, view in v.items())
+    print(json.dumps({"round_trip": ok, "pids": list(svc.pids().values())}), flush=True)
+    sys.stdin.readline()
+    svc.shutdown()
+    """
+) % REPO
+
+
+def test_a_paused_engine_keeps_its_caches_and_ctms(tmp_path):
+    exit_timeout = 2
+    env = {**os.environ, "PYTHONPATH": REPO, "FD_CACHE_PROC_EXIT_TIMEOUT": str(exit_timeout)}
+    engine = subprocess.Popen([sys.executable, "-c", PAUSED_ENGINE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=open(tmp_path / "err", "wb"), text=True, env=env)
+    try:
+        line = engine.stdout.readline()
+        assert line, (tmp_path / "err").read_text()[-2000:]
+        info = json.loads(line)
+        before = segments_of(info["port"])
+        engine.send_signal(signal.SIGSTOP)
+        time.sleep(2 * exit_timeout + 1)
+        engine.send_signal(signal.SIGCONT)
+        assert segments_of(info["port"]) == before, "a live engine's segments were removed"
+        assert not any(process_gone(p) for p in info["pids"]), "a CTM left a paused engine"
+        engine.stdin.write("go\n")
+        engine.stdin.flush()
+        after = json.loads(engine.stdout.readline())
+        assert after == {"round_trip": True, "pids": info["pids"]}
+        engine.stdin.write("stop\n")
+        engine.stdin.flush()
+        assert engine.wait(30) == 0
+        assert segments_of(info["port"]) == []
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+
+
+# ---------------------------------------------------------------- modes of what the store writes
+def test_store_objects_and_directories_are_private(tmp_path):
+    root = tmp_path / "store"
+    service = start_service(storage_backend="file", storage_options={"root": str(root), "fsync": False})
+    try:
+        fill_distinct(service, seed=31)
+        assert service.write_storage(_hashes("m", 2), [1, 2], timeout=10).result(timeout=20) == [1, 2]
+    finally:
+        service.shutdown()
+    files = dirs = 0
+    for path, subdirs, names in os.walk(root):
+        for d in subdirs:
+            assert stat.S_IMODE(os.stat(os.path.join(path, d)).st_mode) == 0o700, d
+            dirs += 1
+        for n in names:
+            assert stat.S_IMODE(os.stat(os.path.join(path, n)).st_mode) == 0o600, n
+            files += 1
+    assert files >= 2 * 2 * 2 and dirs >= 2  # K and V of 2 blocks on 2 ranks
