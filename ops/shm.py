@@ -48,8 +48,14 @@ class SharedMemorySegment:
                 os.unlink(self.path)
                 raise
         else:
-            fd = os.open(self.path, os.O_RDWR)
-            size = os.fstat(fd).st_size
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+            info = os.fstat(fd)
+            size = info.st_size
+            if info.st_uid != os.getuid():
+                # Another user's segment under our name would feed (or read) the KV cache.
+                os.close(fd)
+                raise PermissionError(f"shared-memory segment {name!r} is owned by uid {info.st_uid}, "
+                                      f"not by this process's uid {os.getuid()}: refusing to attach")
             if size == 0:
                 os.close(fd)
                 raise ValueError(f"shared-memory segment {name!r} is empty (its creator has not sized it yet)")

@@ -113,3 +113,19 @@ def test_signal_attach_checks_size_and_existence():
         IPCSignal("swap_space_ready_signal", np.zeros(4, np.int32), suffix=suffix)
     with pytest.raises(ValueError, match="must be 1-200 characters"):
         IPCSignal("bad/name", np.zeros(1, np.int32), create=True)
+
+
+def test_attach_refuses_a_segment_owned_by_another_user():
+    from ops.shm import SharedMemorySegment
+
+    name = f"ctm.t{os.getpid()}.foreign"
+    seg = SharedMemorySegment(name, 4096, create=True)
+    try:
+        os.chown(seg.path, 65534, 65534)  # as root: hand it to "nobody"
+        with pytest.raises(PermissionError, match="owned by uid 65534"):
+            SharedMemorySegment(name)
+        os.chown(seg.path, os.getuid(), os.getgid())
+        SharedMemorySegment(name).close()  # its owner's again: attaches
+    finally:
+        seg.unlink()
+        seg.close()
