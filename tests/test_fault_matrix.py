@@ -180,6 +180,25 @@ def test_stalled_backend_backlog_is_bounded_and_fails_tasks_fast(latched):
     assert svc.write_storage(hashes, [3], timeout=10).result(timeout=20) == [3]
 
 
+def test_unrelated_tasks_overlap_while_related_ones_wait(latched):
+    mode, svc, latch = latched
+    fill_distinct(svc, seed=8)
+    call = "batch_set" if mode == "staged" else "batch_set_multi"
+    latch.close(call)
+    try:
+        write = svc.write_storage(_hashes(f"o{mode}", 1), [1], timeout=5.0)
+        _wait_for(lambda: latch.seen(call, "entered"), 5, "the write to reach the store")
+        unrelated = svc.swap_to_cpu([2], [0])
+        unrelated.result(timeout=4)  # runs while the write is in flight
+        related = svc.swap_to_gpu([1], [3])  # block 1 is the write's until it answers
+        time.sleep(0.3)
+        assert not write.done() and not related.done()
+    finally:
+        latch.open(call)
+    assert write.result(timeout=10) == [1]
+    related.result(timeout=10)
+
+
 # ---------------------------------------------------------------- order of dependent swaps
 @pytest.fixture(scope="module")
 def svc():
