@@ -1,48 +1,77 @@
 """The queue's wire format: authenticated msgpack frames, never pickle.
 
-A frame is ``MAGIC | version | msgpack(body) | HMAC-SHA256(secret, MAGIC|version|body)``.
-``decode`` returns the body or raises ``BadFrame`` with the reason; the caller drops
-the frame and logs.  Frames over ``MAX_FRAME_BYTES`` are refused before any parsing
-(and the sockets refuse them at the transport with ``zmq.MAXMSGSIZE``).
+A frame is ``MAGIC | version | envelope | msgpack(body) | HMAC-SHA256(secret, everything before)``,
+where the envelope is ``session (16 bytes) | stream (u32) | counter (u64)``, big-endian.  The
+envelope sits under the MAC and outside the body, so a receiver checks that a frame belongs
+to this connection's session and stream, and is the next one in order, before it parses any
+of the body: a replayed, reordered or cross-connection frame costs one HMAC and is dropped.
+
+``open_frame`` checks the MAC and returns the envelope; ``parse_body`` decodes the body and
+bounds it: plain msgpack data only (no ext types), at most ``MAX_DEPTH`` levels and
+``MAX_ITEMS`` items, finite floats, checked without recursion.  Both raise ``BadFrame``
+with the reason; the caller drops the frame and logs.  Frames over ``MAX_FRAME_BYTES``
+are refused before any parsing (and the sockets refuse them at the transport with
+``zmq.MAXMSGSIZE``).
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import secrets
+import stat
+import struct
+from typing import NamedTuple
 
 import msgpack
 
 MAGIC = b"CTMQ"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 TAG_BYTES = 32
 HEADER = MAGIC + bytes([PROTOCOL_VERSION])
+ENVELOPE = struct.Struct(">16sIQ")  # session, stream, counter
+SESSION_BYTES = 16
+NO_SESSION = bytes(SESSION_BYTES)  # a hello: the session does not exist yet
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+MAX_DEPTH = 32  # tasks and results are a few levels deep; 10,000 levels must never reach a consumer
+MAX_ITEMS = 1 << 22
+MAX_SECRET_FILE_BYTES = 4096
 
 SECRET_ENV = "CTM_QUEUE_SECRET"
 SECRET_FILE_ENV = "CTM_QUEUE_SECRET_FILE"
+
+_PREFIX = len(HEADER) + ENVELOPE.size
+_SCALARS = (type(None), bool, int, str, bytes)
 
 
 class BadFrame(ValueError):
     """A frame that is not a well-formed, authenticated message of this protocol."""
 
 
+class Envelope(NamedTuple):
+    session: bytes
+    stream: int
+    counter: int
+    payload: bytes  # the msgpack body, not yet parsed
+
+
 def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
+def new_session() -> bytes:
+    return secrets.token_bytes(SESSION_BYTES)
+
+
+# -- secret ----------------------------------------------------------------------
 def load_secret() -> bytes:
-    """The engine's shared secret, as hex in ``CTM_QUEUE_SECRET`` or in the 0600 file ``CTM_QUEUE_SECRET_FILE``."""
+    """The engine's shared secret, as hex in ``CTM_QUEUE_SECRET`` or in the private file ``CTM_QUEUE_SECRET_FILE``."""
     if os.environ.get(SECRET_ENV):
         text, source = os.environ[SECRET_ENV], SECRET_ENV
     elif os.environ.get(SECRET_FILE_ENV):
         path = os.environ[SECRET_FILE_ENV]
-        mode = os.stat(path).st_mode & 0o777
-        if mode & 0o077:
-            raise ValueError(f"{SECRET_FILE_ENV} {path} has mode {mode:o}; it must be readable by its owner only")
-        with open(path) as f:
-            text, source = f.read(), f"{SECRET_FILE_ENV} {path}"
+        text, source = read_private_file(path), f"{SECRET_FILE_ENV} {path}"
     else:
         raise ValueError(f"no queue secret: set {SECRET_ENV} or {SECRET_FILE_ENV}")
     try:
@@ -54,29 +83,119 @@ def load_secret() -> bytes:
     return secret
 
 
-def encode(body: dict, secret: bytes) -> bytes:
-    payload = HEADER + msgpack.packb(body, use_bin_type=True)
-    if len(payload) + TAG_BYTES > MAX_FRAME_BYTES:
-        raise ValueError(f"message of {len(payload)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit")
-    return payload + hmac.new(secret, payload, hashlib.sha256).digest()
+def read_private_file(path: str) -> str:
+    """The text of ``path``, which must be a regular file of the current user that nobody else can read.
+
+    The checks run on the open descriptor (``fstat``), not on the name, so the file that is
+    checked is the file that is read: a rename or symlink swap in between changes nothing."""
+    what = f"{SECRET_FILE_ENV} {path}"
+    try:  # O_NONBLOCK: opening a FIFO must not hang; O_NOCTTY: a tty must not become ours
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot open it: {exc.strerror}") from None
+    try:
+        _check_private(os.fstat(fd), what)
+        data = os.read(fd, MAX_SECRET_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        raise ValueError(f"{what}: larger than {MAX_SECRET_FILE_BYTES} bytes; it must hold only the secret as hex")
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} must hold the secret as hex") from None
 
 
-def decode(frame: bytes, secret: bytes) -> dict:
+def _check_private(st: os.stat_result, what: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{what}: not a regular file")
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"{what}: owned by uid {st.st_uid}, not by the current user (uid {os.geteuid()})")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise ValueError(f"{what} has mode {mode:o}; it must be readable by its owner only (chmod 600)")
+
+
+# -- frames ----------------------------------------------------------------------
+def pack(body: dict) -> bytes:
+    """The msgpack body, to ``seal`` once per receiver (a broadcast packs once)."""
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def seal(payload: bytes, secret: bytes, session: bytes = NO_SESSION, stream: int = 0, counter: int = 0) -> bytes:
+    framed = HEADER + ENVELOPE.pack(session, stream, counter) + payload
+    if len(framed) + TAG_BYTES > MAX_FRAME_BYTES:
+        raise ValueError(f"message of {len(framed)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit")
+    return framed + hmac.new(secret, framed, hashlib.sha256).digest()
+
+
+def encode(body: dict, secret: bytes, session: bytes = NO_SESSION, stream: int = 0, counter: int = 0) -> bytes:
+    return seal(pack(body), secret, session, stream, counter)
+
+
+def open_frame(frame: bytes, secret: bytes) -> Envelope:
+    """Check size, magic, version and MAC; return the envelope and the unparsed body."""
     if len(frame) > MAX_FRAME_BYTES:
         raise BadFrame(f"oversized frame ({len(frame)} bytes)")
-    if len(frame) < len(HEADER) + TAG_BYTES + 1:
+    if len(frame) < _PREFIX + TAG_BYTES + 1:
         raise BadFrame(f"short frame ({len(frame)} bytes)")
     if frame[: len(MAGIC)] != MAGIC:
         raise BadFrame("bad magic")
     if frame[len(MAGIC)] != PROTOCOL_VERSION:
         raise BadFrame(f"protocol version {frame[len(MAGIC)]}, expected {PROTOCOL_VERSION}")
-    payload, tag = frame[:-TAG_BYTES], frame[-TAG_BYTES:]
-    if not hmac.compare_digest(tag, hmac.new(secret, payload, hashlib.sha256).digest()):
+    framed, tag = frame[:-TAG_BYTES], frame[-TAG_BYTES:]
+    if not hmac.compare_digest(tag, hmac.new(secret, framed, hashlib.sha256).digest()):
         raise BadFrame("authentication failed")
+    session, stream, counter = ENVELOPE.unpack_from(framed, len(HEADER))
+    return Envelope(session, stream, counter, framed[_PREFIX:])
+
+
+def parse_body(payload: bytes) -> dict:
+    """Decode an authenticated body: a map with a string ``type``, of bounded plain data."""
     try:
-        body = msgpack.unpackb(payload[len(HEADER):], raw=False, strict_map_key=True)
+        # msgpack's own stack limit stops absurd nesting before Python sees it; ext types
+        # (timestamps, custom codes) are not plain data and are refused outright.
+        body = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_ext_len=0)
     except Exception as exc:  # msgpack raises several types for corrupt input
-        raise BadFrame(f"undecodable body: {exc}") from None
+        raise BadFrame(f"undecodable body: {type(exc).__name__}: {exc}") from None
     if not isinstance(body, dict) or not isinstance(body.get("type"), str):
         raise BadFrame("body is not a map with a 'type'")
+    check_plain(body)
     return body
+
+
+def decode(frame: bytes, secret: bytes) -> dict:
+    """``open_frame`` then ``parse_body``, ignoring the envelope (tools and tests)."""
+    return parse_body(open_frame(frame, secret).payload)
+
+
+def check_plain(obj: object, max_depth: int = MAX_DEPTH, max_items: int = MAX_ITEMS) -> None:
+    """Raise ``BadFrame`` unless ``obj`` is plain data (None, bool, int, finite float, str, bytes,
+    lists and str/bytes-keyed maps) at most ``max_depth`` deep and ``max_items`` in all.
+    A loop, not recursion: the depth of hostile input must not decide the stack's."""
+    stack = [(obj, 1)]
+    items = 0
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            raise BadFrame(f"nested deeper than {max_depth} levels")
+        if isinstance(node, dict):
+            if not all(type(k) in (str, bytes) for k in node):
+                raise BadFrame("a map key is not a string")
+            children = node.values()
+        else:
+            children = node
+        for value in children:
+            items += 1
+            kind = type(value)
+            if kind in _SCALARS:
+                continue
+            if kind is float:
+                if not math.isfinite(value):
+                    raise BadFrame(f"non-finite number {value!r}")
+            elif kind is list or kind is dict:
+                stack.append((value, depth + 1))
+            else:
+                raise BadFrame(f"{kind.__name__} is not plain data")
+        if items > max_items:
+            raise BadFrame(f"more than {max_items} items")

@@ -1,0 +1,185 @@
+"""Strict checks of authenticated queue bodies, and the drop/error counters of the queue's threads.
+
+An authenticated peer is still not trusted to send well-formed data: a bug or a version skew
+must cost one dropped message, never a thread.  Every check here returns the reason a body
+is refused (or raises ``Refused``) instead of letting a ``TypeError``, ``OverflowError`` or an
+unhashable key surface later in the code that acts on the value.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import threading
+import types
+import typing
+from typing import Any
+
+from .cache_tasks import RankResult
+
+MAX_INT = 1 << 62
+MAX_FLOAT = 1e15
+MAX_NAME_CHARS = 256
+MAX_TASK_ID_CHARS = 1024
+MAX_TEXT_CHARS = 1 << 20
+MAX_BARRIER_TIMEOUT = 24 * 3600.0
+ENVELOPE_KEYS = frozenset({"type"})
+
+
+class Refused(ValueError):
+    """A body that is authenticated but malformed."""
+
+
+class DropLog:
+    """Counts dropped frames by reason and logs them without letting a flood of garbage flood the log."""
+
+    def __init__(self, log: logging.Logger):
+        self.log = log
+        self.count = 0
+        self.by_reason: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()  # the server's I/O thread and the thread that pumps both drop
+
+    def __call__(self, reason: str, detail: str, peer: str) -> None:
+        with self._lock:
+            self.count += 1
+            self.by_reason[reason] += 1
+            count = self.count
+        if count <= 20 or count % 1000 == 0:  # the first ones, then a sample
+            self.log.warning("dropped frame from %s: %s: %s (%d dropped so far)", peer, reason, detail, count)
+
+    def reasons(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.by_reason)
+
+
+class LoopErrors:
+    """Counts iterations of a long-lived loop that raised; the loop logs, counts and carries on."""
+
+    def __init__(self, log: logging.Logger, what: str):
+        self.log, self.what, self.count = log, what, 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        """Call from an ``except`` block: logs the exception being handled."""
+        with self._lock:
+            self.count += 1
+            count = self.count
+        if count <= 20 or count % 1000 == 0:
+            self.log.exception("%s: one iteration failed (%d so far); carrying on", self.what, count)
+
+
+# -- primitive checks ------------------------------------------------------------
+def is_int(value: Any) -> bool:
+    return type(value) is int and -MAX_INT <= value <= MAX_INT
+
+
+def is_number(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and -MAX_FLOAT <= value <= MAX_FLOAT
+
+
+def is_text(value: Any, limit: int = MAX_TEXT_CHARS) -> bool:
+    return type(value) is str and len(value) <= limit
+
+
+def barrier_fields(body: dict) -> tuple[str, int, float]:
+    """(name, value, timeout) of a barrier body, or ``Refused``."""
+    extra = set(body) - ENVELOPE_KEYS - {"name", "value", "timeout"}
+    if extra:
+        raise Refused(f"barrier with unknown fields {sorted(extra)}")
+    name, value, timeout = body.get("name"), body.get("value", 0), body.get("timeout")
+    if not is_text(name, MAX_NAME_CHARS):
+        raise Refused(f"barrier name {name!r:.80} is not a string of at most {MAX_NAME_CHARS} characters")
+    if not is_int(value):
+        raise Refused(f"barrier value {value!r:.80} is not an integer within +-2**62")
+    if not is_number(timeout) or not 0 <= timeout <= MAX_BARRIER_TIMEOUT:
+        raise Refused(f"barrier timeout {timeout!r:.80} is not a number of seconds in [0, {MAX_BARRIER_TIMEOUT:g}]")
+    return name, value, float(timeout)
+
+
+# -- RankResult ------------------------------------------------------------------
+def _type_problem(value: Any, tp: Any) -> str | None:
+    """Why ``value`` is not a ``tp`` (a field annotation), or None.  The wire already bounded
+    the depth and refused non-plain data, so this only checks shape and ranges."""
+    if tp is Any or tp is object:
+        return None
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        problems = [_type_problem(value, arm) for arm in args]
+        return None if None in problems else " and ".join(p for p in problems if p)
+    if tp is type(None):
+        return None if value is None else "is not None"
+    if tp is bool:
+        return None if type(value) is bool else "is not a bool"
+    if tp is int:
+        return None if is_int(value) else "is not an integer within +-2**62"
+    if tp is float:
+        return None if is_number(value) else f"is not a finite number within +-{MAX_FLOAT:g}"
+    if tp is str:
+        return None if is_text(value) else f"is not a string of at most {MAX_TEXT_CHARS} characters"
+    if tp is bytes:
+        return None if type(value) is bytes else "is not bytes"
+    if origin is list:
+        if type(value) is not list:
+            return "is not a list"
+        problems = (_type_problem(v, args[0]) for v in value) if args else ()
+        return next((f"has an item that {p}" for p in problems if p), None)
+    if origin is dict:
+        if type(value) is not dict:
+            return "is not a map"
+        problems = (_type_problem(v, args[1]) for v in value.values()) if args else ()
+        return next((f"has a value that {p}" for p in problems if p), None)
+    return f"has a field type {tp!r} the queue cannot check"
+
+
+def _result_schema() -> tuple[dict[str, Any], frozenset[str]]:
+    hints = typing.get_type_hints(RankResult)
+    fields = {f.name: hints[f.name] for f in dataclasses.fields(RankResult)}
+    required = frozenset(f.name for f in dataclasses.fields(RankResult)
+                         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    return fields, required
+
+
+_RESULT_FIELDS, _RESULT_REQUIRED = _result_schema()
+
+
+def _checkable(tp: Any) -> bool:
+    if tp in (Any, object, type(None), bool, int, float, str, bytes):
+        return True
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is dict:  # keys are strings on the wire; only the values need a check
+        return not args or _checkable(args[1])
+    if origin in (typing.Union, types.UnionType, list):
+        return all(map(_checkable, args))
+    return False
+
+
+def unsupported_result_fields() -> list[str]:
+    """Fields of ``RankResult`` whose annotation ``_type_problem`` cannot check (logged by the server at start)."""
+    return [name for name, tp in _RESULT_FIELDS.items() if not _checkable(tp)]
+
+
+def rank_result_from_body(body: dict, rank: int, num_ranks: int) -> RankResult:
+    """A ``RankResult`` built field by field from ``dataclasses.fields(RankResult)``, or ``Refused``.
+
+    Unknown fields refuse the body rather than being ignored: nothing is silently lost.
+    ``rank`` is the rank of the connection the body came on; a body that claims another is refused."""
+    extra = set(body) - ENVELOPE_KEYS - set(_RESULT_FIELDS)
+    if extra:
+        raise Refused(f"result with unknown fields {sorted(extra)[:8]}")
+    missing = _RESULT_REQUIRED - set(body)
+    if missing:
+        raise Refused(f"result without {sorted(missing)}")
+    kwargs = {}
+    for name, tp in _RESULT_FIELDS.items():
+        if name not in body:
+            continue
+        problem = _type_problem(body[name], tp)
+        if problem:
+            raise Refused(f"result field {name!r} = {body[name]!r:.80} {problem}")
+        kwargs[name] = float(body[name]) if tp is float else body[name]
+    if not is_text(kwargs["task_id"], MAX_TASK_ID_CHARS):
+        raise Refused(f"result task_id longer than {MAX_TASK_ID_CHARS} characters")
+    if not 0 <= kwargs["rank"] < num_ranks or kwargs["rank"] != rank:
+        raise Refused(f"result claims rank {kwargs['rank']} on rank {rank}'s connection")
+    return RankResult(**kwargs)
