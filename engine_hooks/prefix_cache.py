@@ -11,22 +11,40 @@ service; this class only decides what moves.
   evicted device block is swapped out to host while the host tier has slots (the host LRU
   gives up its oldest entry when full), otherwise dropped.
 * **Storage tier**: write-through at request end (``write_policy="write_through"``; ``"none"``
-  writes nothing); a write keeps its blocks pinned until it completes.
+  writes nothing); a write keeps its blocks pinned until it completes *and* is released.
 
 ``acquire(hashes)`` walks the prefix: device hits are pinned in place; host hits are swapped
 in; the rest is offered to storage, which loads the leading run it has into newly allocated
 blocks.  Anything not loaded, or whose load failed, is a miss the caller must compute: a
 failed load falls back to recompute, never to wrong data.  ``commit`` registers the request's
 blocks, ``release`` writes them through and unpins them.
+
+**Late tasks** (DESIGN §3.8, two-phase completion).  A task that failed or timed out may still
+be acted on by a rank (a stalled rank, a storage call that outlived its deadline) until the
+service resolves ``future.released``.  Until then its blocks stay *quarantined*: not free, in no
+LRU, not in any lease.  That covers the host slots a failed swap-out was filling, the device
+blocks a failed swap-in or storage read was loading into (the request gets fresh blocks to
+compute into instead), the host slots a failed swap-in was reading, and the blocks of a failed
+write-through (which simply stay pinned until released).  Released blocks go back to the free
+lists on the next allocation, ``reap()`` or ``drain()``.
+
+**Accounting from facts.**  ``TierStats`` counts what the ranks report: blocks from the futures'
+results, bytes from each rank's ``RankResult.bytes_moved`` summed over ranks.
 """
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+from .late_tasks import Quarantine, bytes_moved, outcome, released_of
+
+if TYPE_CHECKING:
+    from .service import CacheTransferService
 
 logger = logging.getLogger(__name__)
 
@@ -52,17 +70,37 @@ class Lease:
 
 @dataclass
 class TierStats:
-    swap_out_blocks: int = 0
-    swap_in_blocks: int = 0
-    storage_write_blocks: int = 0
-    storage_read_blocks: int = 0
-    failed_loads: int = 0
-    dropped_blocks: int = 0
+    """Blocks and bytes that actually moved, as the ranks reported them."""
+
+    swap_out_blocks: int = 0  # device -> host, tasks that succeeded on every rank
+    swap_in_blocks: int = 0  # host -> device, likewise
+    storage_write_blocks: int = 0  # blocks newly in storage, from the write futures' results
+    storage_read_blocks: int = 0  # blocks loaded from storage, from the read futures' results
+    failed_loads: int = 0  # swap-in blocks that failed, plus failed storage read tasks
+    dropped_blocks: int = 0  # evicted device blocks that did not reach the host tier
+    # bytes per direction: sum over ranks of RankResult.bytes_moved (failed tasks' partial moves too)
+    bytes_d2h: int = 0
+    bytes_h2d: int = 0
+    bytes_to_storage: int = 0
+    bytes_from_storage: int = 0
+    quarantined_blocks: int = 0  # device blocks ever held back for a late task
+    quarantined_slots: int = 0  # host slots ever held back for a late task
+
+
+@dataclass
+class _Write:
+    future: Future
+    blocks: list[int]
+    hashes: list[str]
 
 
 class TieredPrefixCache:
-    def __init__(self, service, num_device_blocks: int, num_host_blocks: int, *,
-                 write_policy: str = "write_through", use_storage: bool = True, task_timeout: float = 30.0):
+    def __init__(self, service: "CacheTransferService", num_device_blocks: int, num_host_blocks: int, *,
+                 write_policy: str = "write_through", use_storage: bool = True, task_timeout: float = 30.0,
+                 release_wait: float | None = None):
+        """``release_wait``: how long an allocation that cannot be served waits for in-flight writes and
+        late tasks to give blocks back before it raises ``CapacityError`` (default ``task_timeout + 10``,
+        past the storage tasks' grace)."""
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy {write_policy!r} must be one of {WRITE_POLICIES}")
         if num_device_blocks < 1 or num_device_blocks > service.spec.num_blocks:
@@ -74,7 +112,9 @@ class TieredPrefixCache:
         self.write_policy = write_policy
         self.use_storage = use_storage
         self.task_timeout = task_timeout
+        self.release_wait = task_timeout + 10.0 if release_wait is None else release_wait
         self.num_device_blocks = num_device_blocks
+        self.num_host_blocks = num_host_blocks
         self._dev_free: collections.deque[int] = collections.deque(range(num_device_blocks))
         self._dev_by_hash: dict[str, int] = {}
         self._dev_hash: dict[int, str] = {}
@@ -83,7 +123,8 @@ class TieredPrefixCache:
         self._host_free: collections.deque[int] = collections.deque(range(num_host_blocks))
         self._host: collections.OrderedDict[str, int] = collections.OrderedDict()  # hash -> slot, LRU order
         self._stored: set[str] = set()  # hashes this engine knows are in storage
-        self._writes: list[tuple[Future, list[int], list[str]]] = []
+        self._writes: list[_Write] = []
+        self._quarantine = Quarantine()
         self.stats = TierStats()
 
     # ------------------------------------------------------------------ pins
@@ -103,14 +144,91 @@ class TieredPrefixCache:
     def pinned(self, block: int) -> bool:
         return self._refs[block] > 0
 
+    # ------------------------------------------------------------------ quarantine and reaping
+    def _hold(self, future: Future, blocks: Iterable[int], slots: Iterable[int], what: str) -> None:
+        """Keep ``blocks``/``slots`` of a failed or late task out of circulation until it is released.
+        The caller has already taken them out of every free list, LRU and pin count."""
+        blocks, slots = list(blocks), list(slots)
+        if not self._quarantine.hold(future, blocks, slots, what):
+            self._dev_free.extend(blocks)  # released already: nothing can touch them any more
+            self._host_free.extend(slots)
+        self.stats.quarantined_blocks = self._quarantine.blocks_held
+        self.stats.quarantined_slots = self._quarantine.slots_held
+
+    def reap(self) -> None:
+        """Unpin the blocks of finished and released write-throughs; give released quarantined blocks
+        and slots back to the free lists.  Never waits."""
+        blocks, slots = self._quarantine.reap()
+        self._dev_free.extend(blocks)
+        self._host_free.extend(slots)
+        keep = []
+        for w in self._writes:
+            if w.future.done() and released_of(w.future).done():
+                self._finish_write(w)
+            else:
+                keep.append(w)
+        self._writes = keep
+
+    def _finish_write(self, w: _Write) -> None:
+        self.stats.bytes_to_storage += bytes_moved(w.future)
+        try:
+            stored = w.future.result(0)
+            if not isinstance(stored, list):
+                raise TypeError(f"write resolved to {type(stored).__name__}, expected the stored block ids")
+            now_stored = w.hashes[:len(stored)]
+            self.stats.storage_write_blocks += sum(h not in self._stored for h in now_stored)
+            self._stored.update(now_stored)
+        except Exception as exc:
+            logger.warning("write-through of %d blocks failed: %s", len(w.blocks), exc)
+        for block in w.blocks:
+            self._unpin(block)
+
+    def reap_writes(self, wait: bool = False) -> None:
+        """``reap()``; with ``wait``, first wait (bounded by ``release_wait``) for every write-through
+        to finish and be released."""
+        if wait:
+            self._settle(self.release_wait, lambda: not self._writes)
+        self.reap()
+
+    def _settle(self, timeout: float, until: Callable[[], bool]) -> bool:
+        """Reap as writes finish and late tasks are released until ``until()`` or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.reap()
+            if until():
+                return True
+            waiting = self._quarantine.pending()
+            waiting += [w.future if not w.future.done() else released_of(w.future) for w in self._writes]
+            waiting = [f for f in waiting if not f.done()]
+            remaining = deadline - time.monotonic()
+            if not waiting or remaining <= 0:
+                return until()
+            concurrent.futures.wait(waiting, timeout=remaining, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def drain(self, timeout: float = 60.0) -> bool:
+        """Wait (at most ``timeout``) until every write-through is done and every late task released.
+        False if something is still outstanding (it is logged)."""
+        if self._settle(timeout, lambda: not self._writes and not self._quarantine):
+            return True
+        logger.warning("drain: after %.0fs, %d write-throughs and %d late tasks still hold blocks", timeout,
+                       len(self._writes), len(self._quarantine))
+        return False
+
     # ------------------------------------------------------------------ allocation and eviction
+    def _available(self) -> int:
+        return len(self._dev_free) + len(self._dev_lru)
+
     def _allocate(self, n: int) -> list[int]:
-        self.reap_writes()
-        if n > len(self._dev_free) + len(self._dev_lru):
-            self.reap_writes(wait=True)
-        available = len(self._dev_free) + len(self._dev_lru)
+        self.reap()
+        if n > self._available():
+            self._settle(self.release_wait, lambda: n <= self._available())
+        available = self._available()
         if n > available:
-            raise CapacityError(f"needs {n} device blocks, only {available} of {self.num_device_blocks} are unpinned")
+            counts = self.block_counts()
+            raise CapacityError(
+                f"needs {n} device blocks, only {available} of {self.num_device_blocks} are unpinned "
+                f"({counts['pinned']} pinned, {counts['writing']} of them by write-throughs in flight; "
+                f"{counts['quarantined']} quarantined until late tasks release them)")
         out = [self._dev_free.popleft() for _ in range(min(n, len(self._dev_free)))]
         if len(out) < n:
             out += self._evict(n - len(out))
@@ -135,14 +253,20 @@ class TieredPrefixCache:
                 out_cpu.append(slot)
                 out_hash.append(h)
         if out_gpu:
-            try:
-                self.svc.swap_to_cpu(out_gpu, out_cpu, timeout=self.task_timeout).result(self.task_timeout + 10)
+            future = self.svc.swap_to_cpu(out_gpu, out_cpu, timeout=self.task_timeout)
+            ok, _, exc = outcome(future, self.task_timeout + 10)
+            self.stats.bytes_d2h += bytes_moved(future)
+            if ok:
                 for h, slot in zip(out_hash, out_cpu):
                     self._host[h] = slot
                 self.stats.swap_out_blocks += len(out_gpu)
-            except Exception as exc:  # the blocks are dropped, not lost: storage or recompute has them
-                logger.warning("swap-out of %d blocks failed (%s); dropping them", len(out_gpu), exc)
-                self._host_free.extend(out_cpu)
+            else:  # the blocks are dropped, not lost: storage or recompute has them
+                logger.warning("swap-out of %d blocks failed (%s); dropping them", len(out_gpu),
+                               exc or "a rank has not released it")
+                # A late swap-out still writes these slots: quarantine them.  The device blocks it
+                # reads may be reused at once: writing them can only spoil the slots' copies, which
+                # are never mapped to a hash.
+                self._hold(future, [], out_cpu, f"swap-out to host slots {out_cpu[:4]}")
                 self.stats.dropped_blocks += len(out_gpu)
         self.stats.dropped_blocks += len(victims) - len(out_gpu)
         return victims
@@ -194,42 +318,75 @@ class TieredPrefixCache:
         gpu += list(it)
         sources += ["miss"] * (n - first_uncached)
         lease = Lease(hashes, gpu, sources)
-        load_from = self._swap_in(lease, host_pos, first_uncached, held)
-        self._host.update(held)  # the host copies stay valid: back in the LRU, most recent
-        if self.use_storage and load_from < n:
-            self._read_storage(lease, load_from)
+        try:
+            load_from = self._swap_in(lease, host_pos, first_uncached, held)
+            self._host.update(held)  # the host copies stay valid: back in the LRU, most recent
+            held = {}
+            if self.use_storage and load_from < n:
+                self._read_storage(lease, load_from)
+        except CapacityError:
+            # No fresh blocks for what a failed load left quarantined: give the request up whole.
+            self._host.update(held)
+            for block in lease.gpu_blocks:
+                if block >= 0:
+                    self._unpin(block)
+            raise
         return lease
+
+    def _replace(self, lease: Lease, positions: list[int], future: Future, what: str) -> None:
+        """A failed load may still write ``positions``' blocks: quarantine them and give the request
+        fresh blocks to compute into.  Raises ``CapacityError`` (those positions then hold -1)."""
+        old = [lease.gpu_blocks[i] for i in positions]
+        for i, block in zip(positions, old):
+            self._refs[block] -= 1  # fresh blocks of this lease: pinned once, by it alone
+            if self._refs[block] <= 0:
+                del self._refs[block]
+            lease.gpu_blocks[i] = -1
+            lease.sources[i] = "miss"
+        self._hold(future, old, [], what)
+        fresh = self._allocate(len(old))
+        for i, block in zip(positions, fresh):
+            self._refs[block] += 1
+            lease.gpu_blocks[i] = block
 
     def _swap_in(self, lease: Lease, host_pos: list[int], first_uncached: int, held: dict[str, int]) -> int:
         """Swap the host hits in; returns where storage may take over (after a failure, nowhere)."""
         if not host_pos:
             return first_uncached
         slots = [held[lease.hashes[i]] for i in host_pos]
-        try:
-            self.svc.swap_to_gpu([lease.gpu_blocks[i] for i in host_pos], slots,
-                                 timeout=self.task_timeout).result(self.task_timeout + 10)
+        future = self.svc.swap_to_gpu([lease.gpu_blocks[i] for i in host_pos], slots, timeout=self.task_timeout)
+        ok, _, exc = outcome(future, self.task_timeout + 10)
+        self.stats.bytes_h2d += bytes_moved(future)
+        if ok:
             self.stats.swap_in_blocks += len(host_pos)
             return first_uncached
-        except Exception as exc:
-            logger.warning("swap-in of %d blocks failed (%s): recomputing from block %d", len(host_pos), exc,
-                           host_pos[0])
-            self.stats.failed_loads += len(host_pos)
-            for i in range(host_pos[0], len(lease.sources)):
-                if lease.sources[i] == "host":
-                    lease.sources[i] = "miss"
-            return len(lease.sources)  # a hole in the prefix: nothing after it is worth loading
+        logger.warning("swap-in of %d blocks failed (%s): recomputing from block %d", len(host_pos),
+                       exc or "a rank has not released it", host_pos[0])
+        self.stats.failed_loads += len(host_pos)
+        # A late swap-in still reads these slots and writes these blocks: neither the host copies
+        # (a restarted rank's swap space is empty, too) nor the blocks may be used until it is released.
+        for i in host_pos:
+            del held[lease.hashes[i]]
+        for i in range(host_pos[0], len(lease.sources)):
+            if lease.sources[i] == "host":
+                lease.sources[i] = "miss"
+        self._hold(future, [], slots, f"swap-in from host slots {slots[:4]}")
+        self._replace(lease, host_pos, future, f"swap-in to device blocks {[lease.gpu_blocks[i] for i in host_pos][:4]}")
+        return len(lease.sources)  # a hole in the prefix: nothing after it is worth loading
 
     def _read_storage(self, lease: Lease, start: int) -> None:
         gpu = lease.gpu_blocks[start:]
-        try:
-            loaded = self.svc.read_storage(lease.hashes, gpu, start_read_block_idx=start,
-                                           timeout=self.task_timeout).result(self.task_timeout + 15)
-        except Exception as exc:
-            logger.warning("storage read failed (%s): recomputing", exc)
+        future = self.svc.read_storage(lease.hashes, gpu, start_read_block_idx=start, timeout=self.task_timeout)
+        ok, loaded, exc = outcome(future, self.task_timeout + 15)
+        self.stats.bytes_from_storage += bytes_moved(future)
+        if not ok:
+            logger.warning("storage read failed (%s): recomputing", exc or "a rank has not released it")
             self.stats.failed_loads += 1
+            self._replace(lease, list(range(start, len(lease.sources))), future,
+                          f"storage read into device blocks {gpu[:4]}")
             return
-        if loaded != gpu[:len(loaded)]:
-            logger.error("storage returned blocks %s for %s; recomputing", loaded[:4], gpu[:4])
+        if not isinstance(loaded, list) or loaded != gpu[:len(loaded)]:
+            logger.error("storage returned blocks %s for %s; recomputing", str(loaded)[:40], gpu[:4])
             return
         for i in range(start, start + len(loaded)):
             lease.sources[i] = "storage"
@@ -244,37 +401,15 @@ class TieredPrefixCache:
                 self._dev_hash[block] = h
 
     def release(self, lease: Lease) -> None:
-        """Write the request's blocks through to storage and unpin them (after the write)."""
+        """Write the request's blocks through to storage and unpin them (once the write is done and
+        released: a late write must never see the engine's next bytes in its blocks)."""
         if self.write_policy == "write_through" and self.use_storage and lease.hashes:
-            new = [h for h in lease.hashes if h not in self._stored]
-            if new:
+            if any(h not in self._stored for h in lease.hashes):
                 future = self.svc.write_storage(lease.hashes, lease.gpu_blocks, timeout=self.task_timeout)
-                self._writes.append((future, list(lease.gpu_blocks), list(lease.hashes)))
-                self.stats.storage_write_blocks += len(new)
+                self._writes.append(_Write(future, list(lease.gpu_blocks), list(lease.hashes)))
                 return
         for block in lease.gpu_blocks:
             self._unpin(block)
-
-    def reap_writes(self, wait: bool = False) -> None:
-        """Unpin the blocks of finished write-throughs (``wait``: of all of them)."""
-        keep = []
-        for future, blocks, hashes in self._writes:
-            if wait or future.done():
-                try:
-                    stored = future.result(self.task_timeout + 15)
-                    self._stored.update(hashes[:len(stored)])
-                except Exception as exc:
-                    logger.warning("write-through failed: %s", exc)
-                for block in blocks:
-                    self._unpin(block)
-            else:
-                keep.append((future, blocks, hashes))
-        self._writes = keep
-
-    def drain(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self._writes and time.monotonic() < deadline:
-            self.reap_writes(wait=True)
 
     # ------------------------------------------------------------------ inspection
     def device_block_of(self, block_hash: str) -> int | None:
@@ -282,3 +417,26 @@ class TieredPrefixCache:
 
     def host_slot_of(self, block_hash: str) -> int | None:
         return self._host.get(block_hash)
+
+    def quarantined(self) -> tuple[set[int], set[int]]:
+        """(device blocks, host slots) held back for late tasks right now."""
+        return self._quarantine.blocks(), self._quarantine.slots()
+
+    def writes_in_flight(self) -> list[tuple[Future, list[int]]]:
+        """(future, device blocks) of every write-through not yet reaped."""
+        return [(w.future, list(w.blocks)) for w in self._writes]
+
+    def block_counts(self) -> dict[str, int]:
+        """Where every device block is: free, cached (unpinned, in the LRU), pinned, quarantined; they
+        sum to ``num_device_blocks``.  ``writing``: the pinned blocks held by write-throughs."""
+        quarantined = len(self._quarantine.blocks())
+        return {"free": len(self._dev_free), "cached": len(self._dev_lru), "pinned": len(self._refs),
+                "quarantined": quarantined,
+                "writing": len({b for w in self._writes for b in w.blocks}),
+                "host_free": len(self._host_free), "host_cached": len(self._host),
+                "host_quarantined": len(self._quarantine.slots())}
+
+    def drop_host_tier(self) -> None:
+        """Forget every host copy (after ``svc.restart_rank``: the new rank's swap space is empty)."""
+        self._host_free.extend(self._host.values())
+        self._host.clear()

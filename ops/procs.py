@@ -1,7 +1,16 @@
-"""Process helpers shared by the layers above (liveness of an engine, of a file's writer)."""
+"""Process helpers shared by the layers above (liveness of an engine, of a file's writer; clean-up
+that outlives its owner)."""
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import signal
+import subprocess
+import sys
+from typing import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 def pid_alive(pid: int) -> bool:
@@ -17,3 +26,127 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return True
+
+
+# The reaper's body, run as ``python -c``: it must not import the project (fast start, nothing to
+# break).  argv: owner pid, then the paths.  Its stdin is a pipe whose only writer is the owner:
+# "pid N" lines name processes that may still write under the paths; "done" means the owner removed
+# the paths itself.  EOF without "done" (the kernel closes the pipe however the owner dies) or the
+# owner's pidfd becoming readable means the owner is gone: remove the paths at once, then again once
+# the named processes, and any process whose command line names a path (one the owner was still
+# starting when it died), are gone too, since a writer that outlived the owner may recreate them.
+_REAPER = r"""
+import os, select, shutil, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+owner, paths = int(sys.argv[1]), sys.argv[2:]
+def remove():
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
+fds = []
+try:
+    fds.append(os.pidfd_open(owner))
+except (AttributeError, OSError):
+    pass
+watched = []
+if os.getppid() == owner:  # else the owner died before the pidfd opened (or its pid was reused)
+    buf = b""
+    done = False
+    while not done:
+        ready = select.select([0] + fds, [], [])[0]
+        if 0 not in ready:
+            break  # the owner exited
+        chunk = os.read(0, 4096)
+        if not chunk:
+            break  # EOF: the owner exited
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line == b"done":
+                done = True
+            elif line.startswith(b"pid "):
+                try:
+                    watched.append(os.pidfd_open(int(line[4:])))
+                except (AttributeError, OSError, ValueError):
+                    pass
+    if done:
+        sys.exit(0)
+remove()
+for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+    try:
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        with open("/proc/%s/cmdline" % pid, "rb") as f:
+            argv = f.read().decode(errors="replace")
+        if any(p in argv for p in paths):
+            watched.append(os.pidfd_open(int(pid)))
+    except (AttributeError, OSError, ValueError):
+        pass
+end = time.monotonic() + 30.0
+while watched and time.monotonic() < end:
+    ready = select.select(watched, [], [], max(0.0, end - time.monotonic()))[0]
+    watched = [fd for fd in watched if fd not in ready]
+remove()
+"""
+
+
+class PathReaper:
+    """Removes ``paths`` when this process ends, however it ends: normally, by an exception, or
+    killed (SIGKILL included).
+
+    A small child process (``python -c``, its own session so a terminal's Ctrl+C does not reach
+    it) waits on this process's pidfd and on a pipe only this process writes.  ``close()`` removes
+    the paths here and lets the child exit; if this process dies first, the child removes them.
+    Name processes that may write under the paths with ``watch(pid)``: after the owner's death the
+    child removes the paths again once those, and any process whose command line names a path,
+    are gone (bounded to 30 s)."""
+
+    def __init__(self, paths: Sequence[str]):
+        self.paths = [os.path.abspath(p) for p in paths]
+        self._proc: subprocess.Popen | None = subprocess.Popen(
+            [sys.executable, "-c", _REAPER, str(os.getpid()), *self.paths], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def watch(self, pid: int) -> None:
+        """``pid`` may write under the paths: if this process dies, remove them again once ``pid`` is gone."""
+        self._send(f"pid {int(pid)}\n")
+
+    def _send(self, line: str) -> None:
+        if self._proc is None or self._proc.stdin is None:
+            return
+        try:
+            self._proc.stdin.write(line.encode())
+            self._proc.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError) as exc:  # the reaper is gone: close() still cleans up
+            logger.warning("path reaper (pid %s) is gone: %s", self._proc.pid, exc)
+
+    def close(self, remove: bool = True, timeout: float = 5.0) -> None:
+        """Remove the paths (unless ``remove`` is False) and stop the reaper.  Idempotent."""
+        if remove:
+            for p in self.paths:
+                shutil.rmtree(p, ignore_errors=True)
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.write(b"done\n")
+                proc.stdin.close()
+        except (BrokenPipeError, ValueError, OSError):
+            pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("path reaper (pid %d) did not exit; killing it", proc.pid)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout)
+
+    def __enter__(self) -> "PathReaper":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -14,6 +14,15 @@ workload of the same format.  Each 512-token hash block becomes ``--kv-blocks-pe
 blocks; the model is scaled down with ``--num-layers`` and ``--block-bytes``.
 
 Output: a progress bar, a summary table, ``--json`` (one final JSON line) and ``--plot``.
+Bytes moved and the transfer rate come from what every rank reports having moved
+(``RankResult.bytes_moved``), not from what was asked.  ``verified_blocks`` counts blocks
+transferred into device blocks (from host or storage) and found bit-exact; ``device_hits``
+counts hits already on device, which moved no bytes.
+
+Leftovers: the default store root (a temporary directory) is removed when the replay ends,
+fails, is interrupted, or is killed (a reaper process watches the replay, ``ops.procs``).
+CTM logs, and a local Mooncake master's log, go to ``--log-dir`` (default ``$CTM_LOG_DIR``,
+else ``./log``), never to the system's temp directory.
 """
 from __future__ import annotations
 
@@ -22,12 +31,9 @@ import collections
 import json
 import logging
 import os
-import random
-import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
 import _common
 from _common import quiet_paddle
@@ -38,105 +44,14 @@ import numpy as np  # noqa: E402
 
 from engine_hooks import CacheSpec, CacheTransferService  # noqa: E402
 from engine_hooks.prefix_cache import TIERS, CapacityError, TieredPrefixCache  # noqa: E402
-from transfer_factory.keys import chain_hash_ids  # noqa: E402
+from engine_hooks.service import default_log_dir  # noqa: E402
+from ops.procs import PathReaper  # noqa: E402
+from replay_workload import (HASH_BLOCK_TOKENS, BadTraceLine, Request, generate_workload, load_trace,  # noqa: E402
+                             request_hashes)
 
-HASH_BLOCK_TOKENS = 512
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 KINDS = ("key_caches", "value_caches")
 log = logging.getLogger("replay")
-
-
-# ---------------------------------------------------------------------------- workload
-@dataclass(frozen=True)
-class Request:
-    line: int
-    timestamp: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple
-
-
-class BadTraceLine(ValueError):
-    pass
-
-
-def parse_line(text: str, line: int) -> Request:
-    try:
-        row = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadTraceLine(f"line {line}: not JSON ({exc.msg})") from None
-    if not isinstance(row, dict):
-        raise BadTraceLine(f"line {line}: expected a JSON object, got {type(row).__name__}")
-    for name in ("timestamp", "input_length", "output_length", "hash_ids"):
-        if name not in row:
-            raise BadTraceLine(f"line {line}: missing field {name!r}")
-    for name in ("input_length", "output_length"):
-        value = row[name]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise BadTraceLine(f"line {line}: {name} {value!r} must be a non-negative integer")
-    if not isinstance(row["timestamp"], (int, float)) or isinstance(row["timestamp"], bool):
-        raise BadTraceLine(f"line {line}: timestamp {row['timestamp']!r} must be a number")
-    ids = row["hash_ids"]
-    if not isinstance(ids, list) or not all(isinstance(h, (int, str)) and not isinstance(h, bool) for h in ids):
-        raise BadTraceLine(f"line {line}: hash_ids must be a list of block ids")
-    return Request(line, float(row["timestamp"]), row["input_length"], row["output_length"], tuple(ids))
-
-
-def load_trace(path: str, on_bad: str = "skip", limit: int | None = None) -> tuple[list[Request], list[str]]:
-    """Requests of a JSONL trace and the problems found.  ``on_bad="error"`` stops at the first."""
-    requests, problems = [], []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, text in enumerate(f, start=1):
-            if limit is not None and len(requests) >= limit:
-                break
-            if not text.strip():
-                continue
-            try:
-                requests.append(parse_line(text, n))
-            except BadTraceLine as exc:
-                if on_bad == "error":
-                    raise
-                problems.append(str(exc))
-    return requests, problems
-
-
-def generate_workload(n: int, seed: int = 0) -> list[Request]:
-    """A seeded multi-turn workload: conversations grow turn by turn over shared system prompts."""
-    rng = random.Random(seed)
-    next_id = 0
-
-    def fresh(k: int) -> list[int]:
-        nonlocal next_id
-        next_id += k
-        return list(range(next_id - k, next_id))
-
-    system_prompts = [fresh(rng.randint(2, 6)) for _ in range(4)]
-    sessions: list[list[int]] = []
-    out = []
-    t = 0.0
-    for i in range(n):
-        t += rng.expovariate(1 / 250.0)
-        if sessions and rng.random() < 0.6:  # a follow-up turn of a live conversation
-            s = rng.randrange(len(sessions))
-            sessions[s] = sessions[s] + fresh(rng.randint(1, 4))
-            ids = sessions[s]
-            if len(ids) > 120:
-                sessions.pop(s)
-        else:
-            ids = rng.choice(system_prompts) + fresh(rng.randint(1, 12))
-            sessions.append(ids)
-            if len(sessions) > 32:
-                sessions.pop(0)
-        out.append(Request(i + 1, round(t), len(ids) * HASH_BLOCK_TOKENS - rng.randint(0, 400),
-                           rng.randint(1, 500), tuple(ids)))
-    return out
-
-
-def request_hashes(req: Request, kv_blocks_per_hash: int) -> list[str]:
-    """Chained hashes of the request's KV blocks (each trace block split into sub-blocks)."""
-    ids = req.hash_ids if kv_blocks_per_hash == 1 else [f"{h}:{j}" for h in req.hash_ids
-                                                         for j in range(kv_blocks_per_hash)]
-    return chain_hash_ids(ids)
 
 
 # ---------------------------------------------------------------------------- content
@@ -213,7 +128,7 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
     seen: set[str] = set()
     counts = collections.Counter()
     timeline = []
-    verified = corrupt = skipped = theoretical_hits = saved_tokens = 0
+    verified = device_hits = corrupt = skipped = theoretical_hits = saved_tokens = 0
     all_blocks = sum(len(h) for h in request_block_hashes)  # skipped requests' too: the ceiling's denominator
     ratio = 0.0
     progress = Progress(len(requests), not args.no_progress)
@@ -230,9 +145,14 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
             continue
         hit_pos = [i for i, s in enumerate(lease.sources) if s != "miss"]
         ok = content.verify([hashes[i] for i in hit_pos], [lease.gpu_blocks[i] for i in hit_pos])
-        verified += int(ok.sum())
         for i, good in zip(hit_pos, ok):
-            if not good:
+            if good:
+                # a device hit is checked too, but only a transferred block proves a transfer right
+                if lease.sources[i] == "device":
+                    device_hits += 1
+                else:
+                    verified += 1
+            else:
                 corrupt += 1
                 log.error("line %d block %d from %s has wrong bytes: recomputing it", req.line, i, lease.sources[i])
                 lease.sources[i] = "miss"
@@ -249,14 +169,15 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
         total_blocks = sum(counts.values())
         ratio = (total_blocks - counts["miss"]) / total_blocks if total_blocks else 0.0
         progress.update(done, ratio)
-    cache.drain()
+    if not cache.drain():
+        log.warning("write-throughs or late tasks still outstanding at the end of the replay")
     elapsed = time.perf_counter() - t0
     blocks = sum(counts.values())
     lat = np.array(svc.latencies_ms) if svc.latencies_ms else np.zeros(1)
     st = cache.stats
-    moved = {"bytes_d2h": st.swap_out_blocks * block_bytes, "bytes_h2d": st.swap_in_blocks * block_bytes,
-             "bytes_to_storage": st.storage_write_blocks * block_bytes,
-             "bytes_from_storage": st.storage_read_blocks * block_bytes}
+    # what the ranks report having moved, summed over ranks (a failed task's partial moves included)
+    moved = {"bytes_d2h": st.bytes_d2h, "bytes_h2d": st.bytes_h2d, "bytes_to_storage": st.bytes_to_storage,
+             "bytes_from_storage": st.bytes_from_storage}
     busy = svc.busy_seconds()
     result = {
         "requests": len(requests) - skipped, "skipped_requests": skipped, "blocks": blocks,
@@ -273,8 +194,12 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
         # bytes moved over the wall time during which any transfer task was in flight
         "transfer_gbps": sum(moved.values()) / busy / 1e9 if busy else 0.0, "transfer_busy_s": busy,
         "task_p50_ms": float(np.percentile(lat, 50)), "task_p99_ms": float(np.percentile(lat, 99)),
-        "tasks": len(svc.latencies_ms), "verified_blocks": verified, "corrupt_blocks": corrupt,
+        "tasks": len(svc.latencies_ms), "verified_blocks": verified, "device_hits": device_hits,
+        "corrupt_blocks": corrupt, "block_bytes": block_bytes,
+        "swap_out_blocks": st.swap_out_blocks, "swap_in_blocks": st.swap_in_blocks,
+        "storage_write_blocks": st.storage_write_blocks, "storage_read_blocks": st.storage_read_blocks,
         "dropped_blocks": st.dropped_blocks, "failed_loads": st.failed_loads,
+        "quarantined_blocks": st.quarantined_blocks, "quarantined_slots": st.quarantined_slots,
         "elapsed_s": elapsed, "requests_per_s": len(requests) / elapsed if elapsed else 0.0,
     }
     result["_timeline"] = timeline
@@ -301,7 +226,8 @@ def print_summary(r: dict, args: argparse.Namespace) -> None:
         ("transfer rate", f"{r['transfer_gbps']:.2f} GB/s while transferring ({r['transfer_busy_s']:.1f} s busy, "
                           f"{r['tasks']} tasks)"),
         ("task latency", f"p50 {r['task_p50_ms']:.2f} ms, p99 {r['task_p99_ms']:.2f} ms"),
-        ("verified blocks", f"{r['verified_blocks']} bit-exact, {r['corrupt_blocks']} corrupt"),
+        ("verified blocks", f"{r['verified_blocks']} transferred and bit-exact, {r['corrupt_blocks']} corrupt"),
+        ("device hits", f"{r['device_hits']} (checked; no bytes moved)"),
     ]
     width = max(len(k) for k, _ in rows)
     print("-" * (width + 50))
@@ -347,6 +273,50 @@ def plot(r: dict, path: str, title: str) -> None:
     plt.close(fig)
 
 
+# ---------------------------------------------------------------------------- run
+def run_with_storage(args: argparse.Namespace, spec: CacheSpec, requests: list[Request],
+                     block_hashes: list[list[str]], source: str, max_model_len: int) -> dict:
+    """Start the storage the replay needs, the CTMs, replay, and leave nothing temporary behind."""
+    log_dir = os.path.abspath(args.log_dir) if args.log_dir else default_log_dir()
+    reaper = None
+    master = None
+    storage_options: dict = {}
+    try:
+        if args.storage == "file":
+            if args.storage_root:
+                root = args.storage_root
+            else:
+                root = tempfile.mkdtemp(prefix="ctm-replay-store-")
+                # removes the root however the replay ends, SIGKILL included
+                reaper = PathReaper([root])
+            fsync = args.storage_fsync == "on" or (args.storage_fsync == "auto" and bool(args.storage_root))
+            storage_options = {"root": root, "capacity_bytes": args.storage_capacity, "fsync": fsync}
+        elif args.storage == "mooncake" and not (os.environ.get("MOONCAKE_CONFIG_PATH")
+                                                 or os.environ.get("MOONCAKE_MASTER")
+                                                 or os.environ.get("MOONCAKE_MASTER_SERVER_ADDR")):
+            from transfer_factory.mooncake_master import LocalMooncakeMaster
+
+            os.makedirs(log_dir, exist_ok=True)
+            master = LocalMooncakeMaster(log_dir=log_dir).start()
+            storage_options = {**master.config(), "global_segment_size": 1 << 30}
+            print(f"started a local mooncake_master at {master.master_server_addr}", flush=True)
+        with CacheTransferService(spec, tp=args.tp, num_cpu_blocks=args.host_blocks,
+                                  storage_backend="none" if args.storage == "none" else args.storage,
+                                  storage_options=storage_options, model_id=f"replay/{source}",
+                                  max_model_len=max_model_len, task_timeout=args.task_timeout,
+                                  log_dir=log_dir) as svc:
+            if reaper is not None:
+                for pid in svc.pids().values():  # a CTM that outlives a killed replay may still write there
+                    reaper.watch(pid)
+            return replay(svc, requests, block_hashes, args)
+    finally:
+        if master is not None:
+            master.stop()
+            master.cleanup()
+        if reaper is not None:
+            reaper.close()
+
+
 # ---------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -370,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fsync every stored object (auto: only for a --storage-root that outlives the run)")
     p.add_argument("--write-policy", choices=["write_through", "none"], default="write_through")
     p.add_argument("--task-timeout", type=float, default=30.0)
+    p.add_argument("--log-dir", help="CTM and local master logs (default: $CTM_LOG_DIR, else ./log)")
     p.add_argument("--json", action="store_true", help="print a final JSON line")
     p.add_argument("--plot", help="write a PNG: hit ratio over time and the tier breakdown")
     p.add_argument("--no-progress", action="store_true")
@@ -426,36 +397,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.block_bytes} B per layer-block, device {device_blocks} / host {args.host_blocks} blocks per rank, "
           f"storage {args.storage}", flush=True)
 
-    tmp_root = None
-    master = None
-    storage_options: dict = {}
     try:
-        if args.storage == "file":
-            if args.storage_root:
-                root = args.storage_root
-            else:
-                tmp_root = root = tempfile.mkdtemp(prefix="ctm-replay-store-")
-            fsync = args.storage_fsync == "on" or (args.storage_fsync == "auto" and bool(args.storage_root))
-            storage_options = {"root": root, "capacity_bytes": args.storage_capacity, "fsync": fsync}
-        elif args.storage == "mooncake" and not (os.environ.get("MOONCAKE_CONFIG_PATH")
-                                                 or os.environ.get("MOONCAKE_MASTER")
-                                                 or os.environ.get("MOONCAKE_MASTER_SERVER_ADDR")):
-            from transfer_factory.mooncake_master import LocalMooncakeMaster
-
-            master = LocalMooncakeMaster().start()
-            storage_options = {**master.config(), "global_segment_size": 1 << 30}
-            print(f"started a local mooncake_master at {master.master_server_addr}", flush=True)
-        with CacheTransferService(spec, tp=args.tp, num_cpu_blocks=args.host_blocks,
-                                  storage_backend="none" if args.storage == "none" else args.storage,
-                                  storage_options=storage_options, model_id=f"replay/{source}",
-                                  max_model_len=longest * block_size, task_timeout=args.task_timeout) as svc:
-            result = replay(svc, requests, block_hashes, args)
-    finally:
-        if master is not None:
-            master.stop()
-            master.cleanup()
-        if tmp_root:
-            shutil.rmtree(tmp_root, ignore_errors=True)
+        result = run_with_storage(args, spec, requests, block_hashes, source, longest * block_size)
+    except KeyboardInterrupt:
+        print("interrupted: CTMs stopped, temporary store removed", file=sys.stderr)
+        return 130
     print_summary(result, args)
     if args.plot:
         plot(result, args.plot, f"{source}: {result['requests']} requests, TP={args.tp}, storage {args.storage}")

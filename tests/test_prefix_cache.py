@@ -1,16 +1,22 @@
-"""TieredPrefixCache over real CTMs (TP=1): LRU order, pinning, write-through, recompute on failure."""
+"""TieredPrefixCache over real CTMs: LRU order, pinning, write-through, recompute on failure, and
+(TP=2, one rank SIGSTOPped) the quarantine of what a timed-out task may still touch."""
+import contextlib
 import os
 import signal
+import time
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
 
 from engine_hooks import CacheSpec
+from engine_hooks.errors import TaskTimeoutError
 from engine_hooks.prefix_cache import CapacityError, TieredPrefixCache
 from tests.service_helpers import start_service, views
 from transfer_factory.keys import chain_hash_ids
 
 SPEC = CacheSpec(num_layers=2, num_blocks=4, kv_heads=1, block_size=4, head_dim=8)
+LATE_TIMEOUT = 1.0  # task timeout of the stalled-rank tests: short, the rank is stopped anyway
 
 
 @pytest.fixture
@@ -19,6 +25,52 @@ def svc(tmp_path):
                             storage_options={"root": str(tmp_path), "fsync": False})
     yield service
     service.shutdown()
+
+
+@pytest.fixture
+def svc2(tmp_path):
+    service = start_service(SPEC, tp=2, num_cpu_blocks=8, storage_backend="file",
+                            storage_options={"root": str(tmp_path), "fsync": False})
+    yield service
+    service.shutdown()
+
+
+@contextlib.contextmanager
+def stopped(svc, rank: int):
+    """Rank ``rank``'s CTM SIGSTOPped (alive, answering nothing) for the block; SIGCONT after."""
+    pid = svc.pids()[rank]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def spy(monkeypatch, svc, method: str) -> list:
+    """Record (gpu block ids, future) of every ``svc.<method>`` call the cache makes."""
+    calls = []
+    real = getattr(svc, method)
+
+    def wrapper(*args, **kw):
+        future = real(*args, **kw)
+        gpu = kw.get("gpu_block_ids", args[1] if method in ("read_storage", "write_storage") else args[0])
+        calls.append((list(gpu), future))
+        return future
+
+    monkeypatch.setattr(svc, method, wrapper)
+    return calls
+
+
+def block_bytes_all_ranks(svc) -> int:
+    """Bytes of one block over every rank, kind and layer: what one block's move reports in total."""
+    return sum(view.shape[1] for view in views(svc).values())
+
+
+def assert_accounted(cache) -> dict:
+    counts = cache.block_counts()
+    assert counts["free"] + counts["cached"] + counts["pinned"] + counts["quarantined"] == cache.num_device_blocks, counts
+    assert counts["host_free"] + counts["host_cached"] + counts["host_quarantined"] == cache.num_host_blocks, counts
+    return counts
 
 
 def fill(svc, lease, salt: int) -> dict:
@@ -57,6 +109,11 @@ def test_lru_evicts_the_least_recent_block_to_host(svc):
     lease, _ = run(cache, svc, b, 5)
     assert lease.sources == ["host", "host"]
     assert cache.stats.swap_out_blocks >= 2 and cache.stats.swap_in_blocks == 2
+    # bytes from the ranks' reports, which know nothing of the cache's block counts
+    per_block = block_bytes_all_ranks(svc)
+    assert cache.stats.bytes_h2d == 2 * per_block
+    assert cache.stats.bytes_d2h == cache.stats.swap_out_blocks * per_block
+    assert cache.stats.bytes_to_storage == cache.stats.bytes_from_storage == 0
 
 
 def test_swapped_blocks_come_back_bit_exact(svc):
@@ -82,22 +139,137 @@ def test_pinned_blocks_are_never_evicted(svc):
     cache.acquire(chain_hash_ids(["b0"]))  # now one of them can go
 
 
-def test_write_through_pins_until_done_and_skips_what_is_stored(svc):
+def test_write_through_counts_what_was_stored_and_skips_it_later(svc):
     cache = TieredPrefixCache(svc, num_device_blocks=4, num_host_blocks=0, write_policy="write_through")
     a = chain_hash_ids(["w0", "w1"])
     lease, content = run(cache, svc, a, 11)
-    assert all(cache.pinned(b) for b in lease.gpu_blocks), "a write in flight must keep its blocks"
-    cache.drain()
+    assert cache.drain()
     assert not any(cache.pinned(b) for b in lease.gpu_blocks)
     assert cache.stats.storage_write_blocks == 2
+    assert cache.stats.bytes_to_storage == 2 * block_bytes_all_ranks(svc)
     run(cache, svc, a, 12)  # device hits; nothing new to write
-    cache.drain()
+    assert cache.drain()
     assert cache.stats.storage_write_blocks == 2
     # no host tier: two new requests push a out of the device; it comes back from storage
     run(cache, svc, chain_hash_ids(["o0", "o1"]), 13)
     run(cache, svc, chain_hash_ids(["p0", "p1"]), 14)
-    cache.drain()
+    assert cache.drain()
     lease, _ = run(cache, svc, a, 15, expect=content)
+    assert lease.sources == ["storage", "storage"]
+    assert cache.stats.storage_read_blocks == 2
+    assert cache.stats.bytes_from_storage == 2 * block_bytes_all_ranks(svc)
+
+
+def test_a_write_in_flight_keeps_its_blocks_until_every_rank_released_it(svc2, monkeypatch):
+    """Rank 1 stopped: the write-through cannot finish, then times out; its blocks stay pinned
+    (never evicted, never handed to another request) until rank 1 has answered."""
+    writes = spy(monkeypatch, svc2, "write_storage")
+    cache = TieredPrefixCache(svc2, num_device_blocks=4, num_host_blocks=0, task_timeout=LATE_TIMEOUT,
+                              release_wait=0.2)
+    a = chain_hash_ids(["wf0", "wf1"])
+    lease = cache.acquire(a)  # with rank 1 running: its storage read must answer (a miss)
+    fill(svc2, lease, 31)
+    cache.commit(lease)
+    with stopped(svc2, 1):
+        cache.release(lease)
+        (blocks, future), = writes
+        assert blocks == lease.gpu_blocks
+        time.sleep(0.3)
+        cache.reap()
+        assert not future.done(), "rank 1 is stopped: the write cannot have finished"
+        assert all(cache.pinned(b) for b in blocks), "a write in flight must keep its blocks"
+        # (a request needing only 2 blocks would get the 2 free ones, then stall on a storage read)
+        with pytest.raises(CapacityError, match=r"only 2 of 4 are unpinned \(2 pinned, 2 of them by write-throughs"):
+            cache.acquire(chain_hash_ids(["x0", "x1", "x2"]))
+        with pytest.raises(TaskTimeoutError):
+            future.result(LATE_TIMEOUT + 15)  # storage tasks: timeout + the service's grace
+        assert not future.released.done()
+        cache.reap()
+        assert all(cache.pinned(b) for b in blocks), "a timed-out write keeps its blocks until released"
+        assert cache.block_counts()["writing"] == 2
+    future.released.result(10)  # rank 1 answers the stale task (never started): released
+    cache.reap()
+    assert not any(cache.pinned(b) for b in blocks)
+    assert cache.stats.storage_write_blocks == 0, "nothing was stored on every rank"
+    per_rank = block_bytes_all_ranks(svc2) // 2
+    assert cache.stats.bytes_to_storage in (0, 2 * per_rank), "only rank 0 can have stored anything"
+    assert a[0] not in cache._stored
+    assert_accounted(cache)
+
+
+def test_a_timed_out_swap_in_quarantines_its_blocks_and_slots_until_released(svc2, monkeypatch):
+    """Rank 1 stopped during a swap-in: the request computes into fresh blocks; the swap-in's
+    blocks and slots go to no one until rank 1 has answered; the bytes stay right."""
+    swap_ins = spy(monkeypatch, svc2, "swap_to_gpu")
+    cache = TieredPrefixCache(svc2, num_device_blocks=4, num_host_blocks=8, write_policy="none", use_storage=False,
+                              task_timeout=LATE_TIMEOUT, release_wait=0.2)
+    a = chain_hash_ids(["s0", "s1"])
+    _, content = run(cache, svc2, a, 41)
+    x = cache.acquire(chain_hash_ids(["x0", "x1", "x2", "x3"]))  # pushes a to host
+    cache.release(x)  # uncommitted: its 4 blocks go back to the free list
+    slots = {cache.host_slot_of(h) for h in a}
+    assert None not in slots and assert_accounted(cache)["free"] == 4
+    with stopped(svc2, 1):
+        lease = cache.acquire(a)
+        (into, future), = swap_ins
+        assert isinstance(future.exception(0), TaskTimeoutError) and not future.released.done()
+        assert lease.sources == ["miss", "miss"], "a failed swap-in must become a recompute"
+        assert set(into).isdisjoint(lease.gpu_blocks), "the late swap-in's blocks were handed to the request"
+        assert cache.quarantined() == (set(into), slots)
+        assert all(cache.host_slot_of(h) is None for h in a)
+        counts = assert_accounted(cache)
+        assert (counts["pinned"], counts["quarantined"], counts["host_quarantined"]) == (2, 2, 2)
+        with pytest.raises(CapacityError, match=r"only 0 of 4 .* 2 quarantined until late tasks release them"):
+            cache.acquire(chain_hash_ids(["y0"]))
+        fill(svc2, lease, 41)  # the engine recomputes a: the same bytes as before
+        cache.commit(lease)
+        cache.release(lease)
+        cache.reap()
+        assert cache.quarantined() == (set(into), slots), "released before rank 1 answered"
+    future.released.result(10)
+    cache.reap()
+    assert cache.quarantined() == (set(), set())
+    counts = assert_accounted(cache)
+    assert (counts["free"], counts["cached"], counts["host_quarantined"]) == (2, 2, 0)
+    # the recomputed blocks hold the engine's bytes; out to host and back, still bit-exact
+    run(cache, svc2, a, 0, expect=content)
+    x = cache.acquire(chain_hash_ids(["x0", "x1", "x2", "x3"]))
+    assert set(into) <= set(x.gpu_blocks), "released blocks are back in use"
+    cache.release(x)
+    lease, _ = run(cache, svc2, a, 0, expect=content)
+    assert lease.sources == ["host", "host"]
+    assert cache.stats.failed_loads == 2 and cache.stats.quarantined_blocks == 2
+
+
+def test_a_timed_out_storage_read_quarantines_its_blocks_until_released(svc2, monkeypatch):
+    reads = spy(monkeypatch, svc2, "read_storage")
+    cache = TieredPrefixCache(svc2, num_device_blocks=4, num_host_blocks=0, task_timeout=LATE_TIMEOUT,
+                              release_wait=0.2)
+    a = chain_hash_ids(["r0", "r1"])
+    _, content = run(cache, svc2, a, 51)
+    assert cache.drain() and cache.stats.storage_write_blocks == 2
+    x = cache.acquire(chain_hash_ids(["xr0", "xr1", "xr2", "xr3"]))  # drops a from the device
+    cache.release(x)  # written through, uncommitted
+    assert cache.drain() and assert_accounted(cache)["free"] == 4
+    reads.clear()
+    with stopped(svc2, 1):
+        lease = cache.acquire(a)
+        (into, future), = reads
+        assert isinstance(future.exception(0), TaskTimeoutError) and not future.released.done()
+        assert lease.sources == ["miss", "miss"]
+        assert set(into).isdisjoint(lease.gpu_blocks), "the late read's blocks were handed to the request"
+        assert cache.quarantined() == (set(into), set())
+        fill(svc2, lease, 51)
+        cache.commit(lease)
+        cache.release(lease)  # a is stored already: nothing to write, unpinned at once
+        cache.reap()
+        assert cache.quarantined() == (set(into), set())
+    future.released.result(10)
+    assert cache.drain()
+    assert cache.quarantined() == (set(), set()) and assert_accounted(cache)["free"] == 2
+    run(cache, svc2, chain_hash_ids(["xr0", "xr1", "xr2", "xr3"]), 52)  # drops a again
+    assert cache.drain()
+    lease, _ = run(cache, svc2, a, 0, expect=content)
     assert lease.sources == ["storage", "storage"]
 
 
@@ -109,11 +281,8 @@ def test_a_failed_load_falls_back_to_recompute(svc):
     run(cache, svc, chain_hash_ids(["h0", "h1"]), 23)  # a is on host now
     assert all(cache.host_slot_of(h) is not None for h in a)
     os.kill(svc.pids()[0], signal.SIGKILL)
-    deadline = 50
-    while svc.procs[0].alive() and deadline:
-        deadline -= 1
-        import time
-
+    deadline = time.monotonic() + 5
+    while svc.procs[0].alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     lease = cache.acquire(a)
     assert lease.sources == ["miss", "miss"], "a failed swap-in must become a recompute, never stale bytes"
@@ -121,4 +290,38 @@ def test_a_failed_load_falls_back_to_recompute(svc):
     cache.commit(lease)
     cache.release(lease)
     svc.restart_rank(0)
-    assert len(cache._dev_free) + len(cache._dev_lru) == 4, "blocks leaked after a failed load"
+    cache.drop_host_tier()  # the new rank's swap space is empty
+    cache.reap()
+    # a dead rank touches nothing: what the failed swap-in held is back at once
+    counts = assert_accounted(cache)
+    assert counts["quarantined"] == 0 and counts["free"] + counts["cached"] == 4, "blocks leaked after a failed load"
+
+
+class _AnsweredNotReleased:
+    """A service whose storage reads answer in time with 0 blocks while a direct backend call of
+    theirs still runs (``released`` pending): the case real ranks report with ``released=False``."""
+
+    def __init__(self):
+        self.spec = SPEC
+        self.num_cpu_blocks = 0
+        self.reads = []
+
+    def read_storage(self, keys, gpu_block_ids, start_read_block_idx=0, timeout=None):
+        future = Future()
+        future.released = Future()
+        future.set_result([])
+        self.reads.append((list(gpu_block_ids), future))
+        return future
+
+
+def test_a_read_answered_but_not_released_keeps_its_blocks_out_of_use():
+    svc = _AnsweredNotReleased()
+    cache = TieredPrefixCache(svc, num_device_blocks=4, num_host_blocks=0, write_policy="none", release_wait=0.1)
+    lease = cache.acquire(chain_hash_ids(["n0", "n1"]))
+    (into, future), = svc.reads
+    assert lease.sources == ["miss", "miss"]
+    assert set(into).isdisjoint(lease.gpu_blocks), "a read whose I/O still runs gave its blocks to be computed into"
+    assert cache.quarantined() == (set(into), set())
+    future.released.set_result(None)
+    cache.reap()
+    assert cache.quarantined() == (set(), set()) and cache.block_counts()["free"] == 2
