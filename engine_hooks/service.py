@@ -135,6 +135,7 @@ class CacheTransferService:
         cache_queue_port: int = 0,
         max_model_len: int = 8192,
         task_timeout: float = 30.0,
+        storage_grace: float = 5.0,
         ready_timeout: float = 120.0,
         stop_grace: float = 5.0,
         storage_backend: str = "none",
@@ -161,6 +162,9 @@ class CacheTransferService:
         self.cache_queue_port = cache_queue_port
         self.max_model_len = max_model_len
         self.task_timeout = task_timeout
+        if not 0 <= storage_grace < 3600:
+            raise ValueError(f"storage_grace {storage_grace!r} must be in [0, 3600) seconds")
+        self.storage_grace = storage_grace  # for the ranks' in-time answers to a storage task to arrive
         self.ready_timeout = ready_timeout
         self.stop_grace = stop_grace
         from transfer_factory import backend_names
@@ -365,7 +369,7 @@ class CacheTransferService:
         timeout = self.task_timeout if timeout is None else float(timeout)
         task = {"event_type": int(event), "keys": list(keys), "gpu_block_ids": _id_list(gpu_block_ids, "gpu_block_ids"),
                 "token_ids": _id_list(token_ids or [], "token_ids"), "timeout": timeout, **extra}
-        return self.submit(task, timeout, grace=5.0)
+        return self.submit(task, timeout, grace=self.storage_grace)
 
     def control(self, command: str, timeout: float | None = None, **args: Any) -> Future:
         """A CTRL task (``ping``, ``sleep``); resolves to each rank's answer, in rank order."""
