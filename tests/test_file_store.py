@@ -120,14 +120,17 @@ def test_multi_buffer_round_trip(store, pieces, seed, split):
 
 
 def test_existing_key_put_is_success(store):
+    """The key names the content (the same key is the same prefix's KV), so a put of a present key
+    is a success that writes nothing and keeps the object first stored."""
     a, b = rand_bytes(5000, 1), rand_bytes(5000, 2)
     k = key(1)
     assert put(store, k, a) == OK
-    used = store.used_bytes
-    assert put(store, k, b) == OK                         # already there: success, object intact
+    used, inode = store.used_bytes, store.object_path(k).stat().st_ino
+    assert put(store, k, b) == OK
     assert store.used_bytes == used and len(store) == 1
+    assert store.object_path(k).stat().st_ino == inode   # not rewritten
     code, out = get(store, k, 5000)
-    assert code == 5000 and (np.array_equal(out, a) or np.array_equal(out, b))
+    assert code == 5000 and np.array_equal(out, a)
 
 
 def test_codes_for_bad_requests(store):
@@ -257,6 +260,19 @@ def test_full_disk_write_leaves_nothing(store, monkeypatch):
     assert [p.name for p in store.directory.rglob("*") if p.is_file()] == []
 
 
+def test_a_write_that_accepts_no_bytes_fails_instead_of_spinning(store, monkeypatch):
+    a = rand_bytes(100000, 6)
+    k = key(6)
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: 0)
+    start = time.monotonic()
+    assert put(store, k, a) == NO_SPACE
+    assert time.monotonic() - start < 5
+    monkeypatch.undo()
+    assert get(store, k, a.nbytes)[0] == NOT_FOUND
+    assert [p.name for p in store.directory.rglob("*") if p.is_file()] == []
+    assert put(store, k, a) == OK                        # nothing about the failure is remembered
+
+
 _CRASH = r"""
 import os, sys
 import numpy as np
@@ -331,6 +347,54 @@ def test_lru_eviction_order_and_no_space(tmp_path):
     s.close()
 
 
+def block(i, kind, rank=0):
+    """A key of one kind of one block, as the CTM builds them: a block's kinds form one group."""
+    return key(i, rank=rank, kind=kind)
+
+
+def test_a_block_is_stored_all_or_none(store):
+    n = 3000
+    k = {i: rand_bytes(n, 10 + i) for i in range(3)}
+    v = {i: rand_bytes(n, 20 + i) for i in range(3)}
+    # The CTM's order: every K of the batch, then every V.  Block 1's V fails (a null pointer).
+    keys = [block(0, "k"), block(1, "k"), block(2, "k"), block(0, "v"), block(1, "v"), block(2, "v")]
+    ptrs = [k[0].ctypes.data, k[1].ctypes.data, k[2].ctypes.data, v[0].ctypes.data, 0, v[2].ctypes.data]
+    assert store.batch_set(keys, ptrs, [n] * 6) == [OK, INVALID, OK, OK, INVALID, OK]
+    assert store.exists(keys) == [1, 0, 1, 1, 0, 1]      # block 1's K, already written, was removed
+    assert not store.object_path(block(1, "k")).exists() and len(store) == 4
+    # A failed first member: the rest of its block is not even written.
+    assert store.batch_set([block(5, "k"), block(5, "v")], [0, v[0].ctypes.data], [n, n]) == [INVALID, INVALID]
+    assert not store.object_path(block(5, "v")).exists()
+    # Keys that are not a block's kinds are independent of each other.
+    assert store.batch_set(["x/1", "x/2"], [0, k[0].ctypes.data], [n, n]) == [INVALID, OK]
+    for i in (0, 2):
+        assert np.array_equal(get(store, block(i, "k"), n)[1], k[i])
+        assert np.array_equal(get(store, block(i, "v"), n)[1], v[i])
+
+
+def test_a_lone_k_left_by_a_crash_is_completed_by_the_next_write(store):
+    n = 2000
+    kk, vv = rand_bytes(n, 1), rand_bytes(n, 2)
+    assert put(store, block(0, "k"), kk) == OK            # as if the writer died before the V
+    assert store.batch_set([block(0, "k"), block(0, "v")], [kk.ctypes.data, vv.ctypes.data], [n, n]) == [OK, OK]
+    assert np.array_equal(get(store, block(0, "v"), n)[1], vv)
+
+
+def test_the_capacity_never_evicts_what_the_running_batch_stored(tmp_path):
+    n = 1000
+    s = open_store(tmp_path, capacity_bytes=3 * (HEADER_SIZE + n))
+    arrs = [rand_bytes(n, i) for i in range(5)]
+    assert put(s, "other", arrs[4]) == OK
+    keys = [block(0, "k"), block(1, "k"), block(0, "v"), block(1, "v")]
+    # K0, K1 fit; V0 evicts the unrelated LRU object; V1 would have to evict this batch's own K0.
+    assert s.batch_set(keys, [a.ctypes.data for a in arrs[:4]], [n] * 4) == [OK, NO_SPACE, OK, NO_SPACE]
+    assert s.exists(keys + ["other"]) == [1, 0, 1, 0, 0]
+    assert len(s) == 2 and s.used_bytes == 2 * (HEADER_SIZE + n)
+    assert np.array_equal(get(s, block(0, "k"), n)[1], arrs[0])
+    assert np.array_equal(get(s, block(0, "v"), n)[1], arrs[2])
+    s.close()
+
+
 def test_index_is_rebuilt_on_reopen(tmp_path):
     n = 2000
     cap = 4 * (HEADER_SIZE + n)
@@ -399,6 +463,45 @@ def test_namespaces_and_ranks_are_isolated(tmp_path):
     assert sorted(p.name for p in (tmp_path / "nsA").iterdir()) == ["rank0", "rank1"]
     for s in stores.values():
         s.close()
+
+
+# ------------------------------------------------------------------------------------ modes
+def _modes(root):
+    return {str(p.relative_to(root)): p.stat().st_mode & 0o7777 for p in [root, *root.rglob("*")]}
+
+
+def test_files_are_0600_and_directories_0700_whatever_the_umask(tmp_path):
+    root = tmp_path / "fresh" / "kv"                      # every directory below tmp_path is the store's
+    a = rand_bytes(4096, 1)
+    old = os.umask(0)
+    try:
+        with open_store(root) as s:
+            for i in range(20):                           # enough keys to create several fan-out directories
+                assert put(s, key(i), a) == OK
+            assert s.batch_set_multi([key(99)], [[a.ctypes.data, a.ctypes.data]], [[100, 200]]) == [OK]
+    finally:
+        os.umask(old)
+    modes = _modes(tmp_path / "fresh")
+    files = {p: m for p, m in modes.items() if (tmp_path / "fresh" / p).is_file()}
+    dirs = {p: m for p, m in modes.items() if p not in files}
+    assert len(files) == 21 and set(files.values()) == {0o600}, files
+    assert len(dirs) >= 5 and set(dirs.values()) == {0o700}, dirs   # fresh, kv, namespace, rank0, fan-outs
+
+
+def test_a_store_left_readable_by_an_older_version_is_made_private(tmp_path):
+    a = rand_bytes(512, 2)
+    with open_store(tmp_path) as s:
+        assert put(s, key(1), a) == OK
+        path = s.object_path(key(1))
+    for p in (path, path.parent, path.parent.parent, path.parent.parent.parent):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    tmp_path.chmod(0o755)
+    with open_store(tmp_path) as s:
+        assert np.array_equal(get(s, key(1), 512)[1], a)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert {p.stat().st_mode & 0o777 for p in (path.parent, path.parent.parent, path.parent.parent.parent)} \
+        == {0o700}
+    assert tmp_path.stat().st_mode & 0o777 == 0o755       # the root existed before: not the store's to change
 
 
 # ------------------------------------------------------------------------------------ options

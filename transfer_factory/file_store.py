@@ -9,30 +9,19 @@ first two hex digits::
     {root}/{namespace}/rank{rank}/{h[0:2]}/{h}.kv                 h = sha256(key).hexdigest()
     {root}/{namespace}/rank{rank}/{h[0:2]}/{h}.kv.tmp.{pid}.{rnd}  a write in flight (or a crash's leftover)
 
-On-disk format of one ``.kv`` file (all integers little-endian, 56-byte header, then the payload)::
-
-    offset size field
-    0      4    magic            b"CTKV"
-    4      2    version          1
-    6      2    flags            0 (anything else is refused)
-    8      8    payload_len      bytes of payload that follow the header
-    16     4    payload_crc32    zlib.crc32 of the payload
-    20     32   key_sha256       SHA-256 of the key: a file never answers for another key
-    52     4    header_crc32     zlib.crc32 of bytes 0..51: any flipped header byte is caught
-    56     n    payload          the object; for multi-buffer objects the buffers concatenated in order
-
-A file is valid only when magic, version, flags, header checksum and key digest match, its size is
-exactly ``56 + payload_len`` (neither truncated nor extended) and the payload checksum matches.
-Anything else is ``CORRUPT`` for that key: a warning is logged, the file is deleted and no bytes are
-reported as read.
+The on-disk format of one ``.kv`` file (a 56-byte header checksummed and bound to the key, then
+the payload with its CRC) is in file_store_io.py; a file failing any check is ``CORRUPT`` for its
+key: logged, deleted, and no bytes reported as read.
 
 Writes are atomic: header and payload go to a temp file in the object's directory, which is
 fsynced (option ``fsync``, default on) and then moved over the final name with ``os.rename``, so
-readers in any thread or process see either no file or a whole one.  A crash leaves at most a temp file; the
-next store opened on the directory removes temp files whose writer process is gone (or that are
-older than ``TMP_MAX_AGE_S``).  Even without fsync, a file damaged by a crash fails its checks.
+readers in any thread or process see either no file or a whole one.  A crash leaves at most a
+temp file; the next store opened on the directory removes temp files whose writer process is gone
+(or that are older than ``TMP_MAX_AGE_S``).  Even without fsync, a file damaged by a crash fails
+its checks.
 A ``batch_set`` of a key whose file already exists with the expected size is a success that
-writes nothing (the object is content-addressed by its key); a file of the wrong size is rewritten.
+writes nothing and keeps the existing object: the key names the content (the same key is the same
+prefix's KV), so the first copy stays; a file of the wrong size is rewritten.
 
 Capacity: an in-memory LRU index (file name -> file size, header included) is updated on every
 set and successful get; a set that would exceed ``capacity_bytes`` first evicts the least recently
@@ -42,6 +31,22 @@ LRU order survives restarts.  The accounting is per store instance: one CTM proc
 one directory, so it is exact in the normal deployment; other processes sharing the directory are
 safe (they only ever see whole files, or none) but their files count once this store sees them.
 
+Full disks (DESIGN §4): the filesystem may fill before the capacity does (other files, a smaller
+disk, a quota).  A write that fails with ENOSPC or EDQUOT, at write, fsync, close or rename, or a
+write that accepts no bytes, removes its temp file, evicts LRU objects of this store until the
+object should fit (per ``statvfs``; nothing when even an empty cache would not make room) and
+retries once; if that fails too the key reports ``NO_SPACE``, quickly and with nothing left
+behind.  Nothing about a full disk is remembered: once space frees, the next write succeeds.
+Object groups: keys ``{namespace}/{hash}/{rank}/{k|v|k_scale|v_scale}`` of one block are stored
+all or none within a batch; when one fails, the others of its block report the same code and
+their files are removed, and neither eviction nor the capacity ever removes an object the running
+batch stored.  (Before, a K whose V hit a full disk stayed, each retry of the block refreshed it as
+"already stored", and eviction only ran against the capacity, never the disk: the disk stayed full
+of orphans and every later write failed.)
+
+Modes: object files are 0600 and every directory the store creates is 0700, whatever the umask;
+files and the store's own directories left looser by an older version are tightened on open.
+
 Options: ``root`` (default ``$CTM_FILE_STORE_ROOT``, else ``~/.cache/cache-transfer-manager/kv``),
 ``capacity_bytes`` (default ``$CTM_FILE_STORE_CAPACITY``, else 64 GiB; an int, or a string with an
 optional K/M/G/T binary suffix), ``fsync`` (default True).  A bad or unknown option raises
@@ -49,153 +54,43 @@ optional K/M/G/T binary suffix), ``fsync`` (default True).  A bad or unknown opt
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import hashlib
 import logging
 import os
-import re
-import secrets
-import struct
 import threading
-import time
 import zlib
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from ops.procs import pid_alive
 
+from .file_store_io import (
+    DEFAULT_CAPACITY, DEFAULT_ROOT, DIR_MODE, ENV_CAPACITY, ENV_ROOT, FANOUT_RE, FULL_ERRNOS, HEADER_SIZE, MAGIC,
+    O_CLOEXEC, OBJ_RE, OBJ_SUFFIX, OPTIONS, TMP_MAX_AGE_S, TMP_RE, Corrupt, check_header, fs_space, key_digest,
+    makedirs_private, on_disk, raw_view, read_all, resolve_options, scan_directory, tighten, valid_ptr, valid_size,
+    write_object,
+)
+from .keys import KINDS
 from .kvcache_storage import (
-    BUFFER_TOO_SMALL, CORRUPT, INVALID, NO_SPACE, NOT_FOUND, OK, UNAVAILABLE, KVCacheStorage, StorageAccess,
-    StorageConfigError, check_batch,
+    BUFFER_TOO_SMALL, CODE_NAMES, CORRUPT, INVALID, NO_SPACE, NOT_FOUND, OK, UNAVAILABLE, KVCacheStorage,
+    StorageAccess, StorageConfigError, check_batch,
 )
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"CTKV"
-FORMAT_VERSION = 1
-_PREFIX = struct.Struct("<4sHHQI32s")          # everything the header checksum covers
-_HEADER = struct.Struct("<4sHHQI32sI")
-HEADER_SIZE = _HEADER.size                     # 56
-assert HEADER_SIZE == _PREFIX.size + 4
-
-ENV_ROOT = "CTM_FILE_STORE_ROOT"
-ENV_CAPACITY = "CTM_FILE_STORE_CAPACITY"
-DEFAULT_ROOT = "~/.cache/cache-transfer-manager/kv"
-DEFAULT_CAPACITY = 64 << 30
-TMP_MAX_AGE_S = 3600.0                          # a temp file this old is stale even if its pid is alive
-OPTIONS = ("root", "capacity_bytes", "fsync")
-
-_OBJ_SUFFIX = ".kv"
-_OBJ_RE = re.compile(r"^[0-9a-f]{64}\.kv$")
-_TMP_RE = re.compile(r"^([0-9a-f]{64})\.kv\.tmp\.(-?\d+)\.[0-9a-f]+$")
-_FANOUT_RE = re.compile(r"^[0-9a-f]{2}$")
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_IOV_MAX = 512                                  # well under every platform's IOV_MAX
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+__all__ = ["DEFAULT_CAPACITY", "DEFAULT_ROOT", "ENV_CAPACITY", "ENV_ROOT", "FileStore", "HEADER_SIZE", "MAGIC",
+           "TMP_MAX_AGE_S"]
 
 
-class _Corrupt(Exception):
-    """An object file failed one of its checks (the message says which)."""
-
-
-def _key_digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
-
-
-def _view(ptr: int, size: int) -> memoryview:
-    """A writable byte view of ``size`` bytes of raw memory at ``ptr`` (no copy)."""
-    return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
-
-
-def _valid_ptr(ptr: Any) -> bool:
-    return isinstance(ptr, int) and not isinstance(ptr, bool) and ptr > 0
-
-
-def _valid_size(size: Any) -> bool:
-    return isinstance(size, int) and not isinstance(size, bool) and size >= 0
-
-
-def _pack_header(payload_len: int, crc: int, digest: bytes) -> bytes:
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, payload_len, crc, digest)
-    return prefix + struct.pack("<I", zlib.crc32(prefix))
-
-
-def _check_header(raw: bytes, digest: bytes, file_size: int) -> tuple[int, int]:
-    """Validates a header against the key and the file size; returns (payload_len, payload_crc32)."""
-    if len(raw) < HEADER_SIZE:
-        raise _Corrupt(f"file of {file_size} bytes is shorter than the {HEADER_SIZE}-byte header")
-    magic, version, flags, payload_len, crc, file_digest, header_crc = _HEADER.unpack(raw)
-    if magic != MAGIC:
-        raise _Corrupt(f"bad magic {magic!r}")
-    if zlib.crc32(raw[:_PREFIX.size]) != header_crc:
-        raise _Corrupt("header checksum mismatch")
-    if version != FORMAT_VERSION or flags != 0:
-        raise _Corrupt(f"unsupported format version {version} flags {flags:#x}")
-    if file_digest != digest:
-        raise _Corrupt("file belongs to another key")
-    if file_size != HEADER_SIZE + payload_len:
-        raise _Corrupt(f"file is {file_size} bytes, header says {HEADER_SIZE + payload_len}")
-    return payload_len, crc
-
-
-def _write_all(fd: int, bufs: list[memoryview]) -> None:
-    """Writes every buffer in order, resuming after short writes."""
-    bufs = [b for b in bufs if b.nbytes]
-    i = 0
-    while i < len(bufs):
-        n = os.writev(fd, bufs[i:i + _IOV_MAX])
-        while n > 0:
-            if n >= bufs[i].nbytes:
-                n -= bufs[i].nbytes
-                i += 1
-            else:
-                bufs[i] = bufs[i][n:]
-                n = 0
-
-
-def _read_all(fd: int, bufs: list[memoryview], offset: int) -> int:
-    """Fills the buffers in order from ``offset``; returns the bytes read (short only at EOF)."""
-    bufs = [b for b in bufs if b.nbytes]
-    i = total = 0
-    while i < len(bufs):
-        n = os.preadv(fd, bufs[i:i + _IOV_MAX], offset + total)
-        if n == 0:
-            break
-        total += n
-        while n > 0:
-            if n >= bufs[i].nbytes:
-                n -= bufs[i].nbytes
-                i += 1
-            else:
-                bufs[i] = bufs[i][n:]
-                n = 0
-    return total
-
-
-def _parse_capacity(value: Any, source: str) -> int:
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(?:i?B)?\s*", value, re.IGNORECASE)
-        if not m:
-            raise StorageConfigError(f"file store option capacity_bytes ({source}) {value!r} is not a byte count "
-                                     f"(an integer, optionally with a K/M/G/T suffix)")
-        value = int(m.group(1)) * _UNITS[m.group(2).upper()]
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise StorageConfigError(f"file store option capacity_bytes ({source}) {value!r} must be an integer")
-    if value <= 0:
-        raise StorageConfigError(f"file store option capacity_bytes ({source}) {value} must be positive")
-    return value
-
-
-def _parse_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    raise StorageConfigError(f"file store option {name} {value!r} must be a boolean")
+def _group_of(key: Any) -> str | None:
+    """The object group a key belongs to: ``{namespace}/{hash}/{rank}`` for a block's K, V and scale
+    objects (DESIGN §3.7), which are only useful together; None for keys of any other shape."""
+    if not isinstance(key, str):
+        return None
+    head, sep, kind = key.rpartition("/")
+    return head if sep and head and kind in KINDS else None
 
 
 class FileStore(KVCacheStorage):
@@ -218,28 +113,13 @@ class FileStore(KVCacheStorage):
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise StorageConfigError(f"file store rank {rank!r} must be a non-negative integer")
 
-        if "root" in options:
-            root, root_source = options["root"], "option root"
-        elif os.environ.get(ENV_ROOT):
-            root, root_source = os.environ[ENV_ROOT], f"${ENV_ROOT}"
-        else:
-            root, root_source = DEFAULT_ROOT, "default root"
-        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
-            raise StorageConfigError(f"file store option root ({root_source}) {root!r} must be a non-empty path")
-        if "capacity_bytes" in options:
-            capacity = _parse_capacity(options["capacity_bytes"], "option")
-        elif os.environ.get(ENV_CAPACITY):
-            capacity = _parse_capacity(os.environ[ENV_CAPACITY], f"${ENV_CAPACITY}")
-        else:
-            capacity = DEFAULT_CAPACITY
-        self.fsync = _parse_bool("fsync", options.get("fsync", True))
-        self.capacity_bytes = capacity
+        root, root_source, self.capacity_bytes, self.fsync = resolve_options(options)
         self.namespace = namespace
         self.rank = rank
-        self.root = Path(os.path.expanduser(os.fspath(root)))
+        self.root = Path(root)
         self.directory = self.root / namespace / f"rank{rank}"
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            created = makedirs_private(str(self.directory))
         except OSError as exc:
             raise StorageConfigError(f"file store option root ({root_source}) {str(self.root)!r}: cannot create "
                                      f"{str(self.directory)!r}: {exc.strerror or exc}") from None
@@ -247,10 +127,23 @@ class FileStore(KVCacheStorage):
             raise StorageConfigError(f"file store option root ({root_source}) {str(self.root)!r}: "
                                      f"{str(self.directory)!r} is not writable")
 
+        if created:
+            logger.info("file store: created %s (mode %o)", ", ".join(created), DIR_MODE)
+        for own in (self.root / namespace, self.directory):
+            # These two are the store's own even when an older version or a looser umask made them.
+            try:
+                if tighten(str(own), os.stat(own), DIR_MODE):
+                    logger.info("file store: %s was readable by others; now mode %o", own, DIR_MODE)
+            except OSError:
+                pass
+
         self._dir = str(self.directory)
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()   # file stem (sha256 hex) -> file size
         self._used = 0
+        # stem -> the stems of its block's objects, for blocks this instance stored or read whole:
+        # eviction removes a block at once rather than leave half of it taking space.
+        self._siblings: dict[str, tuple[str, ...]] = {}
         self._closed = False
         self._rebuild_index()
         logger.info("file store %s: %d objects, %d of %d bytes used, fsync %s", self.directory, len(self._index),
@@ -261,7 +154,7 @@ class FileStore(KVCacheStorage):
         return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
     def _path(self, stem: str) -> str:
-        return f"{self._dir}/{stem[:2]}/{stem}{_OBJ_SUFFIX}"
+        return f"{self._dir}/{stem[:2]}/{stem}{OBJ_SUFFIX}"
 
     def object_path(self, key: str) -> Path:
         """Where ``key``'s file lives (whether or not it exists)."""
@@ -276,62 +169,124 @@ class FileStore(KVCacheStorage):
         return len(self._index)
 
     def _rebuild_index(self) -> None:
-        found: list[tuple[int, str, int]] = []
-        removed_tmp = removed_bad = 0
-        now = time.time()
-        with os.scandir(self.directory) as top:
-            subdirs = [e.path for e in top if _FANOUT_RE.match(e.name) and e.is_dir(follow_symlinks=False)]
-        for sub in subdirs:
-            try:
-                entries = list(os.scandir(sub))
-            except OSError:
-                continue
-            for entry in entries:
-                try:
-                    if _OBJ_RE.match(entry.name) and entry.name[:2] == os.path.basename(sub):
-                        st = entry.stat(follow_symlinks=False)
-                        if st.st_size < HEADER_SIZE:        # cannot even hold a header: garbage
-                            os.unlink(entry.path)
-                            removed_bad += 1
-                        else:
-                            found.append((st.st_mtime_ns, entry.name[:-len(_OBJ_SUFFIX)], st.st_size))
-                        continue
-                    m = _TMP_RE.match(entry.name)
-                    if m:
-                        st = entry.stat(follow_symlinks=False)
-                        if not pid_alive(int(m.group(2))) or now - st.st_mtime > TMP_MAX_AGE_S:
-                            os.unlink(entry.path)
-                            removed_tmp += 1
-                        continue
-                    logger.debug("file store %s: ignoring unexpected file %s", self.directory, entry.path)
-                except FileNotFoundError:
-                    continue                                # removed by another process meanwhile
-        found.sort()
+        found, removed_tmp, removed_bad, tightened = scan_directory(self._dir)
         with self._lock:
             self._index.clear()
+            self._siblings.clear()
             self._used = 0
             for _, stem, size in found:
                 self._index[stem] = size
                 self._used += size
-            victims = self._evict_locked(0)
-        if removed_tmp or removed_bad or victims:
+            victims = max(self._evict_locked(0), 0)
+        if removed_tmp or removed_bad or victims or tightened:
             logger.info("file store %s: removed %d leftover temp files, %d garbage files, evicted %d objects "
-                        "over capacity", self.directory, removed_tmp, removed_bad, victims)
+                        "over capacity, made %d files or directories private", self.directory, removed_tmp,
+                        removed_bad, victims, tightened)
 
-    def _evict_locked(self, need: int) -> int:
-        """Evicts LRU files until ``need`` more bytes fit; the caller holds the lock."""
-        evicted = 0
-        while self._index and self._used + need > self.capacity_bytes:
-            stem, size = self._index.popitem(last=False)
+    def _evict_locked(self, need: int, keep: set[str] | frozenset[str] = frozenset()) -> int:
+        """Evicts LRU files until ``need`` more bytes fit under the capacity; the caller holds the lock.
+
+        Files in ``keep`` (what the running batch stored) are never evicted: evicting a block's K to
+        make room for its V would leave the block incomplete.  When the capacity cannot be met
+        without them nothing is evicted and -1 is returned; otherwise the number of files evicted."""
+        if self._used + need <= self.capacity_bytes:
+            return 0
+        victims, over = [], self._used + need - self.capacity_bytes
+        for unit in self._lru_units_locked(keep):
+            if over <= 0:
+                break
+            victims += unit
+            over -= sum(self._index[stem] for stem in unit)
+        if over > 0:
+            return -1
+        for stem in victims:
+            self._drop_locked(stem)
+            self._unlink(stem)
+        return len(victims)
+
+    def _lru_units_locked(self, keep: set[str] | frozenset[str]) -> Iterator[list[str]]:
+        """What eviction may take, least recently used first: a whole block when its objects are
+        known, else one object; never anything of a block the running batch (``keep``) touched."""
+        seen: set[str] = set()
+        for stem in self._index:
+            if stem in seen:
+                continue
+            unit = [s for s in self._siblings.get(stem, ()) if s in self._index] or [stem]
+            seen.update(unit)
+            if not keep.isdisjoint(unit):
+                continue
+            yield unit
+
+    def _drop_locked(self, stem: str) -> None:
+        size = self._index.pop(stem, None)
+        if size is not None:
             self._used -= size
-            try:
-                os.unlink(self._path(stem))
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                logger.warning("file store %s: cannot evict %s: %s", self.directory, stem, exc)
-            evicted += 1
-        return evicted
+        self._siblings.pop(stem, None)
+
+    def _note_blocks(self, keys: Sequence[str], done: Sequence[bool]) -> None:
+        """Remembers which objects form one block, for blocks whose every object just succeeded."""
+        blocks: dict[str, list[str]] = {}
+        failed: set[str] = set()
+        for key, ok in zip(keys, done):
+            group = _group_of(key)
+            if group is not None:
+                blocks.setdefault(group, []).append(self._stem(key))
+                if not ok:
+                    failed.add(group)
+        with self._lock:
+            for group, stems in blocks.items():
+                if group not in failed and len(stems) > 1:
+                    members = tuple(stems)
+                    for stem in members:
+                        if stem in self._index:
+                            self._siblings[stem] = members
+
+    def _unlink(self, stem: str) -> int:
+        """Removes one object file (already out of the index); returns the bytes it held on disk."""
+        path = self._path(stem)
+        try:
+            st = os.stat(path)
+            os.unlink(path)
+            return st.st_blocks * 512
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            logger.warning("file store %s: cannot remove %s: %s", self.directory, stem, exc)
+            return 0
+
+    def _make_room(self, total: int, keep: set[str], err: int) -> bool:
+        """After a write failed with a full filesystem or quota (``err``): evicts LRU objects, never
+        those in ``keep``, until an object of ``total`` bytes should fit.  False, evicting nothing,
+        when even that would not be enough (the disk is full of other files): the cache stays."""
+        space = fs_space(self._dir)
+        block = space.block if space else 4096
+        need = on_disk(total, block) + block            # one block of slack for the directory and metadata
+        if space is None or err != errno.ENOSPC:
+            target = need                               # a quota (EDQUOT) counts our files: free our size
+        elif not space.inodes_left:
+            target = 1                                  # out of inodes: any file removed frees one
+        else:
+            target = max(need - space.free, 1)          # at least one: something must change before a retry
+        with self._lock:
+            victims, expect = [], 0
+            for unit in self._lru_units_locked(keep):
+                if expect >= target:
+                    break
+                victims += unit
+                expect += sum(on_disk(self._index[stem], block) for stem in unit)
+            if expect < target:
+                # Debug only: the write's own warning follows, once per key.
+                logger.debug("file store %s: filesystem full (%s), and evicting all %d evictable objects "
+                             "(%d bytes) would not make room for %d bytes", self.directory, os.strerror(err),
+                             len(victims), expect, total)
+                return False
+            freed = 0
+            for stem in victims:
+                self._drop_locked(stem)
+                freed += self._unlink(stem)
+        logger.info("file store %s: filesystem full (%s); evicted %d LRU objects (%d bytes on disk) to make room "
+                    "for %d bytes", self.directory, os.strerror(err), len(victims), freed, total)
+        return True
 
     def _touch(self, stem: str, size: int) -> None:
         with self._lock:
@@ -347,16 +302,14 @@ class FileStore(KVCacheStorage):
 
     def _forget(self, stem: str) -> None:
         with self._lock:
-            size = self._index.pop(stem, None)
-            if size is not None:
-                self._used -= size
+            self._drop_locked(stem)
 
     # ------------------------------------------------------------------------------------ interface
     def register_buffer(self, ptr: int, size: int) -> None:
         """Nothing to register for plain file I/O; refuses nonsense so caller bugs surface here."""
-        if not _valid_ptr(ptr):
+        if not valid_ptr(ptr):
             raise ValueError(f"register_buffer: pointer {ptr!r} must be a positive integer")
-        if not _valid_size(size) or size == 0:
+        if not valid_size(size) or size == 0:
             raise ValueError(f"register_buffer: size {size!r} must be a positive integer")
 
     def exists(self, keys: Sequence[str]) -> list[int]:
@@ -379,21 +332,63 @@ class FileStore(KVCacheStorage):
 
     def batch_get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         check_batch(keys, ptrs, sizes)
-        return [self._get_one(key, [ptr], [size]) for key, ptr, size in zip(keys, ptrs, sizes)]
+        out = [self._get_one(key, [ptr], [size]) for key, ptr, size in zip(keys, ptrs, sizes)]
+        self._note_blocks(keys, [code > 0 for code in out])
+        return out
 
     def batch_get_multi(self, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
                         size_lists: Sequence[Sequence[int]]) -> list[int]:
         check_batch(keys, ptr_lists, size_lists)
-        return [self._get_one(key, list(p), list(s)) for key, p, s in zip(keys, ptr_lists, size_lists)]
+        out = [self._get_one(key, list(p), list(s)) for key, p, s in zip(keys, ptr_lists, size_lists)]
+        self._note_blocks(keys, [code > 0 for code in out])
+        return out
 
     def batch_set(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         check_batch(keys, ptrs, sizes)
-        return [self._set_one(key, [ptr], [size]) for key, ptr, size in zip(keys, ptrs, sizes)]
+        return self._set_batch(keys, [[ptr] for ptr in ptrs], [[size] for size in sizes])
 
     def batch_set_multi(self, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
                         size_lists: Sequence[Sequence[int]]) -> list[int]:
         check_batch(keys, ptr_lists, size_lists)
-        return [self._set_one(key, list(p), list(s)) for key, p, s in zip(keys, ptr_lists, size_lists)]
+        return self._set_batch(keys, [list(p) for p in ptr_lists], [list(s) for s in size_lists])
+
+    def _set_batch(self, keys: Sequence[str], ptr_lists: list[list[int]], size_lists: list[list[int]]) -> list[int]:
+        """Stores each object; a block's objects (one group) are stored all or none.
+
+        The CTM writes a block's K and V (and scales) in one batch and counts the block only when
+        every kind is present.  A group with a failed member is useless, so its members this batch
+        reported stored are removed and report the failure too, and its later members are not even
+        written.  Left in place such an orphan K would be refreshed by every retry of the block
+        ("already stored") and so never evicted, while its V kept failing (issue 8)."""
+        out: list[int] = []
+        stored: set[str] = set()                      # stems this batch stored: never evicted for its later objects
+        failed: dict[str, int] = {}                   # group -> the code of its first failed member
+        members: dict[str, list[int]] = {}            # group -> indexes of its members reported stored
+        for i, (key, ptrs, sizes) in enumerate(zip(keys, ptr_lists, size_lists)):
+            group = _group_of(key)
+            if group is not None and group in failed:
+                out.append(failed[group])
+                continue
+            code = self._set_one(key, ptrs, sizes, stored)
+            out.append(code)
+            if code == OK:
+                stored.add(self._stem(key))
+                if group is not None:
+                    members.setdefault(group, []).append(i)
+            elif group is not None:
+                failed[group] = code
+        orphans = [i for group in failed for i in members.get(group, ())]
+        if orphans and not self._closed:
+            for i in orphans:
+                stem = self._stem(keys[i])
+                self._forget(stem)
+                self._unlink(stem)
+                out[i] = failed[_group_of(keys[i])]
+            logger.warning("file store %s: %d blocks not stored (%s); removed the %d objects already stored for "
+                           "them so no block is left incomplete", self.directory, len(failed),
+                           ", ".join(sorted({CODE_NAMES.get(c, str(c)) for c in failed.values()})), len(orphans))
+        self._note_blocks(keys, [code == OK for code in out])
+        return out
 
     def delete(self, keys: Sequence[str]) -> list[int]:
         """Per key: 0 removed, ``NOT_FOUND`` when there was nothing to remove."""
@@ -424,17 +419,18 @@ class FileStore(KVCacheStorage):
         removed = 0
         with self._lock:
             self._index.clear()
+            self._siblings.clear()
             self._used = 0
             with os.scandir(self.directory) as top:
-                subdirs = [e.path for e in top if _FANOUT_RE.match(e.name) and e.is_dir(follow_symlinks=False)]
+                subdirs = [e.path for e in top if FANOUT_RE.match(e.name) and e.is_dir(follow_symlinks=False)]
             for sub in subdirs:
                 try:
                     entries = list(os.scandir(sub))
                 except OSError:
                     continue
                 for entry in entries:
-                    m = _TMP_RE.match(entry.name)
-                    if _OBJ_RE.match(entry.name) or (m and not pid_alive(int(m.group(2)))):
+                    m = TMP_RE.match(entry.name)
+                    if OBJ_RE.match(entry.name) or (m and not pid_alive(int(m.group(2)))):
                         try:
                             os.unlink(entry.path)
                             removed += 1
@@ -448,6 +444,7 @@ class FileStore(KVCacheStorage):
         self._closed = True
         with self._lock:
             self._index.clear()
+            self._siblings.clear()
             self._used = 0
 
     # ------------------------------------------------------------------------------------ one object
@@ -455,12 +452,12 @@ class FileStore(KVCacheStorage):
         if self._closed:
             return UNAVAILABLE
         if (not isinstance(key, str) or not key or not ptrs or len(ptrs) != len(sizes)
-                or not all(map(_valid_ptr, ptrs)) or not all(map(_valid_size, sizes))):
+                or not all(map(valid_ptr, ptrs)) or not all(map(valid_size, sizes))):
             return INVALID
         stem = self._stem(key)
         path = self._path(stem)
         try:
-            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | O_CLOEXEC)
         except FileNotFoundError:
             self._forget(stem)                              # evicted or deleted, maybe by another process
             return NOT_FOUND
@@ -470,7 +467,7 @@ class FileStore(KVCacheStorage):
         try:
             st = os.fstat(fd)
             try:
-                payload_len, crc = _check_header(os.pread(fd, HEADER_SIZE, 0), _key_digest(key), st.st_size)
+                payload_len, crc = check_header(os.pread(fd, HEADER_SIZE, 0), key_digest(key), st.st_size)
                 if payload_len > sum(sizes):
                     return BUFFER_TOO_SMALL
                 views, left = [], payload_len
@@ -478,16 +475,16 @@ class FileStore(KVCacheStorage):
                     if left == 0:
                         break
                     n = min(size, left)
-                    views.append(_view(ptr, n))
+                    views.append(raw_view(ptr, n))
                     left -= n
-                if _read_all(fd, list(views), HEADER_SIZE) != payload_len:
-                    raise _Corrupt("payload shorter than its header says")
+                if read_all(fd, list(views), HEADER_SIZE) != payload_len:
+                    raise Corrupt("payload shorter than its header says")
                 got = 0
                 for v in views:
                     got = zlib.crc32(v, got)
                 if got != crc:
-                    raise _Corrupt("payload checksum mismatch")
-            except _Corrupt as bad:
+                    raise Corrupt("payload checksum mismatch")
+            except Corrupt as bad:
                 self._discard_corrupt(key, stem, path, fd, str(bad))
                 return CORRUPT
             try:
@@ -513,11 +510,11 @@ class FileStore(KVCacheStorage):
         except OSError:
             pass
 
-    def _set_one(self, key: str, ptrs: list[int], sizes: list[int]) -> int:
+    def _set_one(self, key: str, ptrs: list[int], sizes: list[int], keep: set[str]) -> int:
         if self._closed:
             return UNAVAILABLE
         if (not isinstance(key, str) or not key or not ptrs or len(ptrs) != len(sizes)
-                or not all(map(_valid_ptr, ptrs)) or not all(map(_valid_size, sizes))):
+                or not all(map(valid_ptr, ptrs)) or not all(map(valid_size, sizes))):
             return INVALID
         payload_len = sum(sizes)
         if payload_len == 0:
@@ -530,7 +527,9 @@ class FileStore(KVCacheStorage):
         stem = self._stem(key)
         path = self._path(stem)
         try:
-            if os.stat(path).st_size == total:              # already stored: a success
+            # The key names the content (the same key is the same prefix's KV), so a whole file of
+            # the expected size is kept as it is: a success that writes nothing.
+            if os.stat(path).st_size == total:
                 try:
                     os.utime(path)
                 except OSError:
@@ -546,59 +545,28 @@ class FileStore(KVCacheStorage):
             old = self._index.pop(stem, None)
             if old is not None:
                 self._used -= old
-            self._evict_locked(total)
-            self._index[stem] = total
-            self._used += total
+            fits = self._evict_locked(total, keep) >= 0
+            if fits:
+                self._index[stem] = total
+                self._used += total
+            elif old is not None:
+                self._index[stem] = old
+                self._used += old
+        if not fits:
+            logger.warning("file store %s: no room for %r (%d bytes): the capacity of %d bytes is held by "
+                           "objects of the same batch", self.directory, key, total, self.capacity_bytes)
+            return NO_SPACE
 
-        code = self._write_file(key, stem, path, ptrs, sizes, payload_len)
-        if code != OK:
-            self._forget(stem)
-            try:
-                self._touch(stem, os.stat(path).st_size)    # an older copy may still be there
-            except OSError:
-                pass
-        return code
-
-    def _write_file(self, key: str, stem: str, path: str, ptrs: list[int], sizes: list[int],
-                    payload_len: int) -> int:
-        views = [_view(ptr, size) for ptr, size in zip(ptrs, sizes) if size]
-        crc = 0
-        for v in views:
-            crc = zlib.crc32(v, crc)
-        header = _pack_header(payload_len, crc, _key_digest(key))
-        tmp = ""
-        fd = -1
-        try:
-            for attempt in range(4):
-                tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
-                try:
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
-                    break
-                except FileNotFoundError:                   # fan-out directory not there (yet)
-                    if attempt == 3:
-                        raise
-                    os.makedirs(os.path.dirname(path), exist_ok=True)
-                except FileExistsError:                     # a 32-bit random name collided: draw again
-                    if attempt == 3:
-                        raise
-            _write_all(fd, [memoryview(header), *views])
-            if self.fsync:
-                os.fsync(fd)
-            os.close(fd)
-            fd = -1
-            os.rename(tmp, path)
+        err = write_object(path, key, ptrs, sizes, payload_len, self.fsync)
+        if err is not None and err.errno in FULL_ERRNOS and self._make_room(total, keep | {stem}, err.errno):
+            err = write_object(path, key, ptrs, sizes, payload_len, self.fsync)     # once: then fail cleanly
+        if err is None:
             return OK
-        except OSError as exc:
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            if tmp:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-            full = exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
-            logger.warning("file store %s: cannot write %r (%d bytes): %s", self.directory, key, payload_len, exc)
-            return NO_SPACE if full else UNAVAILABLE
+        self._forget(stem)
+        try:
+            self._touch(stem, os.stat(path).st_size)        # an older copy may still be there
+        except OSError:
+            pass
+        full = err.errno in FULL_ERRNOS
+        logger.warning("file store %s: cannot write %r (%d bytes): %s", self.directory, key, payload_len, err)
+        return NO_SPACE if full else UNAVAILABLE
