@@ -170,25 +170,24 @@ class StorageMover:
         self.log.error("a direct storage call outlived its task: this rank now stages every transfer")
 
     # ------------------------------------------------------------------ helpers
-    def _keys(self, g: _Group, hashes: Sequence[str]) -> list[str]:
-        return [storage_key(self.namespace, h, self.rank, g.tag) for h in hashes]
-
     def _all_keys(self, hashes: Sequence[str]) -> list[str]:
-        return [k for g in self.groups for k in self._keys(g, hashes)]
+        """Block-major (every kind of block 0, then of block 1, ...): a store that fills up
+        midway keeps whole leading blocks."""
+        return [storage_key(self.namespace, h, self.rank, g.tag) for h in hashes for g in self.groups]
 
     def _direct_batch(self, gpu_ids: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
-        """Per object (kind-major, then block): the address of the block in every layer's cache."""
-        ptrs = [[base + gid * g.block_bytes for base in g.layer_ptrs] for g in self.groups for gid in gpu_ids]
-        sizes = [[g.block_bytes] * len(g.layer_ptrs) for g in self.groups for _ in gpu_ids]
+        """Per object (block-major, then kind): the address of the block in every layer's cache."""
+        ptrs = [[base + gid * g.block_bytes for base in g.layer_ptrs] for gid in gpu_ids for g in self.groups]
+        sizes = [[g.block_bytes] * len(g.layer_ptrs) for _ in gpu_ids for g in self.groups]
         return ptrs, sizes
 
     def _staged_batch(self, buf: _Staging, n: int) -> tuple[list[int], list[int]]:
-        """Per object (kind-major, then block): its slot in the kind's staging buffer."""
-        ptrs = [ptr + j * g.object_bytes for g, ptr in zip(self.groups, buf.ptrs) for j in range(n)]
-        return ptrs, [g.object_bytes for g in self.groups for _ in range(n)]
+        """Per object (block-major, then kind): its slot in the kind's staging buffer."""
+        ptrs = [ptr + j * g.object_bytes for j in range(n) for g, ptr in zip(self.groups, buf.ptrs)]
+        return ptrs, [g.object_bytes for _ in range(n) for g in self.groups]
 
     def _per_block(self, ok: Sequence[bool], n: int) -> list[bool]:
-        return np.array(ok, dtype=bool).reshape(len(self.groups), n).all(axis=0).tolist()
+        return np.array(ok, dtype=bool).reshape(n, len(self.groups)).all(axis=1).tolist()
 
     def _start(self, direction: str, fn: Callable[[], Any], deadline: float, what: str) -> Future | None:
         try:
@@ -327,7 +326,7 @@ class StorageMover:
     def _read_chunk(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float) -> _Chunk:
         keys = self._all_keys(hashes)
         what = f"read of {len(hashes)} blocks"
-        want = np.repeat([g.object_bytes for g in self.groups], len(hashes))
+        want = np.tile([g.object_bytes for g in self.groups], len(hashes))
         full = lambda res: (np.array(res, dtype=np.int64) == want).tolist()  # noqa: E731
         if self.direct:
             ptrs, sizes = self._direct_batch(gpu_ids)
