@@ -1,14 +1,15 @@
 """The fault matrix (DESIGN §3.8, §4): each row causes a fault for real at TP=2 with real CTM
 processes and asserts what the engine sees afterwards, byte for byte.
 
-Rows elsewhere, each next to the machinery it needs: a full filesystem
-(``test_file_store_full_disk.py``), a real Mooncake master under SIGSTOP
-(``test_mooncake_faults.py``), replayed, unauthenticated and malformed frames and an
-exception in the queue's I/O loop (``test_queue_hardening.py``).
+The unit-level versions live next to their machinery: the FileStore on a full tmpfs
+(``test_file_store_full_disk.py``), the queue under replay, forgery and malformed frames
+(``test_queue_hardening.py``, whose Tap the rows here reuse).
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import signal
 import stat
@@ -16,11 +17,15 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from engine_hooks import TaskTimeoutError
+from tests.test_file_store_full_disk import FS_BYTES, PAGE, files_under, fill, free_bytes
+from transfer_factory.file_store import FileStore
+from transfer_factory.keys import storage_key
 from tests.service_helpers import fill_distinct, process_gone, segments_of, start_service, views
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -340,6 +345,64 @@ def test_a_paused_engine_keeps_its_caches_and_ctms(tmp_path):
         if engine.poll() is None:
             engine.kill()
             engine.wait()
+
+
+# ---------------------------------------------------------------- a full filesystem
+def test_a_store_on_a_full_filesystem_fails_cleanly_and_recovers(small_fs: Path) -> None:
+    """Fault matrix row "a store directory on a small full filesystem": writes fail cleanly, and
+    once space frees they succeed again and read back bit-exact, with real CTM processes."""
+    root = small_fs / "store"
+    svc = start_service(storage_backend="file", storage_options={"root": str(root), "fsync": True})
+    try:
+        fill_distinct(svc, seed=11)
+        v = views(svc)
+        keys = [hashlib.sha256(f"full disk {i}".encode()).hexdigest() for i in range(4)]
+        blocks = [1, 2, 3, 4]
+        want = {k: view[blocks].copy() for k, view in v.items()}
+        ballast = small_fs / "ballast"
+        fill(ballast)
+
+        start = time.monotonic()
+        got = svc.write_storage(keys, blocks, timeout=10).result(timeout=30)
+        failed_in = time.monotonic() - start
+        assert got == [], got
+        assert failed_in < 10, failed_in
+        assert not [f for f in files_under(root) if ".tmp." in f or f.endswith(".kv")], files_under(root)
+        assert svc.read_storage(keys, [10, 11, 12, 13], timeout=10).result(timeout=30) == []
+
+        # Room for a few objects, fewer than the 16 (4 blocks x K, V x 2 ranks): both ranks race for
+        # it.  Whatever each got, no rank may keep half a block, and what is reported is whole.
+        os.truncate(ballast, os.path.getsize(ballast) - 3 * PAGE)
+        start = time.monotonic()
+        partial = svc.write_storage(keys, blocks, timeout=10).result(timeout=30)
+        assert time.monotonic() - start < 10 and partial == blocks[:len(partial)] and len(partial) < 4, partial
+        ns = str(svc.namespace())
+        for rank in range(2):
+            probe = FileStore(ns, rank, {"root": str(root), "fsync": False})
+            for i, h in enumerate(keys):
+                has_k, has_v = probe.exists([storage_key(ns, h, rank, "k"), storage_key(ns, h, rank, "v")])
+                assert has_k == has_v, f"rank {rank} block {i}: k {has_k} v {has_v}"
+                assert has_k == 1 or i >= len(partial)
+            probe.close()
+        assert not [f for f in files_under(root) if ".tmp." in f]
+
+        ballast.unlink()
+        assert free_bytes(small_fs) > FS_BYTES // 2
+        start = time.monotonic()
+        assert svc.write_storage(keys, blocks, timeout=10).result(timeout=30) == blocks
+        wrote_in = time.monotonic() - start
+        for view in v.values():
+            view[blocks] = 0
+        assert svc.read_storage(keys, blocks, timeout=10).result(timeout=30) == blocks
+        compared = 0
+        for k, view in v.items():
+            assert np.array_equal(view[blocks], want[k]), f"rank/kind/layer {k}"
+            compared += want[k].nbytes
+        logging.getLogger(__name__).info("TP=2 full disk: write of %d blocks failed (0 stored) in %.3f s; with room for 3 objects %d "
+                 "stored, no half block; after freeing, stored in %.3f s; %d bytes compared bit-exact over %d views",
+                 len(keys), failed_in, len(partial), wrote_in, compared, len(v))
+    finally:
+        svc.shutdown()
 
 
 # ---------------------------------------------------------------- modes of what the store writes

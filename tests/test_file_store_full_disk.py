@@ -8,42 +8,20 @@ import errno
 import hashlib
 import logging
 import os
-import subprocess
 import time
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
-import pytest
 
-from tests.service_helpers import fill_distinct, start_service, views
 from transfer_factory.file_store import HEADER_SIZE, FileStore
-from transfer_factory.keys import storage_key
 from transfer_factory.kvcache_storage import NO_SPACE, NOT_FOUND, OK
 
 log = logging.getLogger(__name__)
 
 NS = "model-tp2-0123456789abcdef"
-FS_BYTES = 2 << 20                 # the tmpfs: 512 pages of 4 KiB
+FS_BYTES = 2 << 20                 # the tmpfs of the small_fs fixture (tests/conftest.py)
 PAGE = 4096
 FAIL_FAST_S = 2.0                  # a write on a full disk must answer at once, never wait for space
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs to fill needs root")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES},mode=0755", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs at {mnt}: {proc.stderr.strip() or proc.returncode}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)   # still busy: detach it anyway
 
 
 def fill(path: Path) -> int:
@@ -183,58 +161,3 @@ def test_a_disk_full_of_other_files_keeps_the_cache(small_fs: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ TP=2, real CTMs
-def test_fault_row_full_disk_at_tp2(small_fs: Path) -> None:
-    """Fault matrix row "a store directory on a small full filesystem": writes fail cleanly, and
-    once space frees they succeed again and read back bit-exact, with real CTM processes."""
-    root = small_fs / "store"
-    svc = start_service(storage_backend="file", storage_options={"root": str(root), "fsync": True})
-    try:
-        fill_distinct(svc, seed=11)
-        v = views(svc)
-        keys = [hashlib.sha256(f"full disk {i}".encode()).hexdigest() for i in range(4)]
-        blocks = [1, 2, 3, 4]
-        want = {k: view[blocks].copy() for k, view in v.items()}
-        ballast = small_fs / "ballast"
-        fill(ballast)
-
-        start = time.monotonic()
-        got = svc.write_storage(keys, blocks, timeout=10).result(timeout=30)
-        failed_in = time.monotonic() - start
-        assert got == [], got
-        assert failed_in < 10, failed_in
-        assert not [f for f in files_under(root) if ".tmp." in f or f.endswith(".kv")], files_under(root)
-        assert svc.read_storage(keys, [10, 11, 12, 13], timeout=10).result(timeout=30) == []
-
-        # Room for a few objects, fewer than the 16 (4 blocks x K, V x 2 ranks): both ranks race for
-        # it.  Whatever each got, no rank may keep half a block, and what is reported is whole.
-        os.truncate(ballast, os.path.getsize(ballast) - 3 * PAGE)
-        start = time.monotonic()
-        partial = svc.write_storage(keys, blocks, timeout=10).result(timeout=30)
-        assert time.monotonic() - start < 10 and partial == blocks[:len(partial)] and len(partial) < 4, partial
-        ns = str(svc.namespace())
-        for rank in range(2):
-            probe = FileStore(ns, rank, {"root": str(root), "fsync": False})
-            for i, h in enumerate(keys):
-                has_k, has_v = probe.exists([storage_key(ns, h, rank, "k"), storage_key(ns, h, rank, "v")])
-                assert has_k == has_v, f"rank {rank} block {i}: k {has_k} v {has_v}"
-                assert has_k == 1 or i >= len(partial)
-            probe.close()
-        assert not [f for f in files_under(root) if ".tmp." in f]
-
-        ballast.unlink()
-        assert free_bytes(small_fs) > FS_BYTES // 2
-        start = time.monotonic()
-        assert svc.write_storage(keys, blocks, timeout=10).result(timeout=30) == blocks
-        wrote_in = time.monotonic() - start
-        for view in v.values():
-            view[blocks] = 0
-        assert svc.read_storage(keys, blocks, timeout=10).result(timeout=30) == blocks
-        compared = 0
-        for k, view in v.items():
-            assert np.array_equal(view[blocks], want[k]), f"rank/kind/layer {k}"
-            compared += want[k].nbytes
-        log.info("TP=2 full disk: write of %d blocks failed (0 stored) in %.3f s; with room for 3 objects %d "
-                 "stored, no half block; after freeing, stored in %.3f s; %d bytes compared bit-exact over %d views",
-                 len(keys), failed_in, len(partial), wrote_in, compared, len(v))
-    finally:
-        svc.shutdown()
