@@ -84,6 +84,19 @@ def latched(request, tmp_path):
     svc.shutdown()
 
 
+def _stalled(latch: Latch, call: str, submit):
+    """Submit a storage task with ``call`` latched: it must answer 0 blocks by its timeout
+    (plus the service's grace for the answer to arrive) while the call is still stuck."""
+    latch.close(call)
+    t0 = time.monotonic()
+    future = submit()
+    blocks = future.result(timeout=TIMEOUT + GRACE + 5)
+    answered_s = time.monotonic() - t0
+    assert blocks == [] and answered_s < TIMEOUT + GRACE, (blocks, answered_s)
+    _wait_for(lambda: latch.seen(call, "entered"), 5, "the latched call to start")
+    return future
+
+
 def _hashes(tag: str, n: int) -> list[str]:
     return [f"{tag}{i:04d}{os.getpid():08x}" for i in range(n)]
 
@@ -94,13 +107,7 @@ def test_stalled_backend_write_never_stores_bytes_written_after_the_task(latched
     fill_distinct(svc, seed=1)
     hashes, blocks = _hashes(f"w{mode}", 2), [1, 2]
     original = _blocks(svc, blocks)
-    latch.close(call)
-    t0 = time.monotonic()
-    future = svc.write_storage(hashes, blocks, timeout=TIMEOUT)
-    stored = future.result(timeout=TIMEOUT + GRACE + 5)
-    answered_s = time.monotonic() - t0
-    assert stored == [] and answered_s < TIMEOUT + GRACE, (stored, answered_s)
-    _wait_for(lambda: latch.seen(call, "entered"), 5, "the latched call to start")
+    future = _stalled(latch, call, lambda: svc.write_storage(hashes, blocks, timeout=TIMEOUT))
     if mode == "staged":
         # The late call holds only its snapshot: the blocks are the engine's again at once.
         assert future.released.done()
@@ -139,13 +146,7 @@ def test_stalled_backend_read_never_changes_a_device_block_after_the_task(latche
     assert svc.write_storage(hashes, [1, 2], timeout=10).result(timeout=20) == [1, 2]
     target = [7, 8]
     _write_blocks(svc, target, seed=5)
-    latch.close(call)
-    t0 = time.monotonic()
-    future = svc.read_storage(hashes, target, timeout=TIMEOUT)
-    loaded = future.result(timeout=TIMEOUT + GRACE + 5)
-    answered_s = time.monotonic() - t0
-    assert loaded == [] and answered_s < TIMEOUT + GRACE, (loaded, answered_s)
-    _wait_for(lambda: latch.seen(call, "entered"), 5, "the latched call to start")
+    future = _stalled(latch, call, lambda: svc.read_storage(hashes, target, timeout=TIMEOUT))
     if mode == "staged":
         assert future.released.done()
         reused = _write_blocks(svc, target, seed=6)  # the engine computes into the blocks
