@@ -9,7 +9,10 @@ the CTM, e.g.:
     MOONCAKE_CONFIG_PATH=/tmp/mooncake.json python -m cache_manager.cache_transfer_manager ... \\
         --kvcache_storage_backend mooncake
 
-The master uses its embedded HTTP metadata server; ports are free ones unless given.  It is
+Everything listens on 127.0.0.1; ports are free ones unless given.  Clients use P2PHANDSHAKE
+metadata, so no metadata server runs (``--http-metadata`` starts the master's embedded one,
+which Mooncake 0.3.13 binds to every interface).  The master's log is appended to
+``<--log-dir>/mooncake_master.log`` (default ``$CTM_LOG_DIR``, else ``./log``).  The master is
 stopped (SIGTERM, then SIGKILL) when this script gets SIGINT or SIGTERM, and, on Linux, if
 this script dies.  Exit status: 0 after a requested stop, 1 if the master could not start or
 exited by itself (its log tail is printed).
@@ -31,13 +34,17 @@ from transfer_factory.mooncake_master import LocalMooncakeMaster, MooncakeMaster
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rpc-port", type=int, default=None, help="master RPC port (default: a free one)")
-    p.add_argument("--http-port", type=int, default=None, help="HTTP metadata server port (default: a free one)")
+    p.add_argument("--http-metadata", action="store_true",
+                   help="run the master's HTTP metadata server (it listens on every interface in Mooncake 0.3.13)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="HTTP metadata server port, with --http-metadata (default: a free one)")
     p.add_argument("--metrics-port", type=int, default=None, help="metrics port (default: a free one)")
     p.add_argument("--lease-ttl-ms", type=int, default=5000, help="--default_kv_lease_ttl of the master (ms)")
     p.add_argument("--client-ttl", type=int, default=None, help="--client_ttl of the master (s)")
     p.add_argument("--start-timeout", type=float, default=20.0, help="seconds to wait for the master to answer")
     p.add_argument("--config-out", default=None, help="also write the config JSON to this file")
-    p.add_argument("--log-dir", default=None, help="directory for mooncake_master.log (default: a temp dir)")
+    p.add_argument("--log-dir", default=None,
+                   help="directory of mooncake_master.log (default: $CTM_LOG_DIR, else ./log)")
     p.add_argument("--binary", default=None, help="mooncake_master binary (default: next to python, or on PATH)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("extra", nargs="*", help="extra mooncake_master flags, after --")
@@ -51,14 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         master = LocalMooncakeMaster(lease_ttl_ms=args.lease_ttl_ms, client_ttl_s=args.client_ttl,
                                      rpc_port=args.rpc_port, http_port=args.http_port, metrics_port=args.metrics_port,
                                      extra_args=args.extra, binary=args.binary, start_timeout=args.start_timeout,
-                                     log_dir=args.log_dir)
+                                     log_dir=args.log_dir, http_metadata=args.http_metadata)
         master.start()
     except MooncakeMasterError as e:
         print(f"start_mooncake_master: {e}", file=sys.stderr)
         return 1
     try:
-        config = {**master.config(), "pid": master.pid, "log": master.log_path,
-                  "http_port": master.http_port, "metrics_port": master.metrics_port}
+        config = {**master.config(), "pid": master.pid, "log": master.log_path, "metrics_port": master.metrics_port}
+        if args.http_metadata:
+            config["http_port"] = master.http_port
         line = json.dumps(config)
         if args.config_out:
             tmp = f"{args.config_out}.tmp{os.getpid()}"
@@ -74,8 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         master.stop()
-        if args.log_dir is None:
-            master.cleanup()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
 """Storage tasks through real CTM processes at TP=2 against a real mooncake_master on loopback."""
+import os
+import signal
 import time
 
 import numpy as np
@@ -103,10 +105,9 @@ def test_bad_mooncake_config_fails_at_start_naming_the_key():
                       storage_options={"master_server_addr": "127.0.0.1:1", "protocol": "carrier-pigeon"})
 
 
-def test_a_hung_master_times_out_the_task_and_direct_transfers_fall_back_to_staging(master):
-    import os
-    import signal
-
+def test_a_hung_master_times_out_the_task_swaps_go_on_and_reads_recover(master):
+    # Which call outlives the task (the query or the transfer) depends on timing; what a late
+    # call may and may not do is the fault matrix's row in test_mooncake_faults.py.
     svc = start_service(SPEC, storage_backend="mooncake", storage_transfer="direct",
                         storage_options={**master.config(), **OPTIONS}, model_id="mc/hung")
     try:
@@ -131,7 +132,5 @@ def test_a_hung_master_times_out_the_task_and_direct_transfers_fall_back_to_stag
         assert got == [10, 11, 12], "reads did not recover after the master resumed"
         for k, view in v.items():
             assert np.array_equal(view[[10, 11, 12]], want[k])
-        logs = "".join(open(os.path.join(svc.log_dir, f"cache_transfer_manager_rank{r}.log")).read() for r in (0, 1))
-        assert "now stages every transfer" in logs
     finally:
         svc.shutdown()

@@ -2,37 +2,50 @@
 
 ``LocalMooncakeMaster`` starts the real master binary (from the ``mooncake-transfer-engine``
 wheel: ``mooncake_master`` next to ``sys.executable``, else on PATH, else in the package) on
-free loopback ports with its embedded HTTP metadata server, so a client needs nothing else
-(no etcd)::
+free loopback ports, so a client needs nothing else (no etcd, no metadata server)::
 
     with LocalMooncakeMaster(lease_ttl_ms=500) as master:
         store = MooncakeStore(namespace="ns", rank=0, options=master.config())
 
-``start()`` returns only once the master answers: its process holds the RPC port, a TCP
-connect to it succeeds, and an HTTP GET to its metadata server is answered.  If it exits
-first (a taken port: retried with fresh ports) or does not answer within ``start_timeout``
-seconds, it is stopped and ``MooncakeMasterError`` carries the tail of its log.  ``stop()``
-sends SIGTERM, then SIGKILL after ``stop_grace`` seconds, and always reaps the process; it is
-idempotent.  ``kill()`` is SIGKILL (fault tests); ``restart()`` starts a fresh master on the
-same ports (a master keeps its objects in memory only, so it comes back empty).  With
-``die_with_parent`` (default) the master gets SIGTERM if this process dies (Linux).  The log
-is in a temporary directory, removed by ``cleanup()`` / leaving the ``with`` block.
+``start()`` returns only once the master answers: its process holds the RPC port and a TCP
+connect to it succeeds (and, with ``http_metadata``, its metadata server answers an HTTP GET).
+If it exits first (a taken port: retried with fresh ports) or does not answer within
+``start_timeout`` seconds, it is stopped and ``MooncakeMasterError`` carries the tail of its
+log.  ``stop()`` sends SIGTERM, then SIGKILL after ``stop_grace`` seconds, and always reaps
+the process; it is idempotent.  ``kill()`` is SIGKILL (fault tests); ``restart()`` starts a
+fresh master on the same ports (a master keeps its objects in memory only, so it comes back
+empty).  ``pid`` is the master's pid (SIGSTOP/SIGCONT in fault tests).  With
+``die_with_parent`` (default) the master gets SIGTERM if this process dies, even by SIGKILL
+(Linux; strictly, when the thread that started it exits).
+
+Binds: the RPC server and the metrics server listen on 127.0.0.1 only.  Clients use
+``P2PHANDSHAKE`` metadata (each client answers its peers' handshakes itself), so by default
+the master runs no metadata server at all.  ``http_metadata=True`` turns on the master's
+embedded HTTP metadata server, but Mooncake 0.3.13 binds that one to 0.0.0.0 whatever
+``--http_metadata_server_host`` says (``HttpMetadataServer`` constructs its
+``coro_http_server(4, port)`` without the host), so it is off unless asked for and starting
+it logs a warning.
+
+Log: the master's output is appended to ``<log_dir>/mooncake_master.log``; ``log_dir``
+defaults to ``$CTM_LOG_DIR``, else ``./log`` (where the CTMs log), and nothing is written to
+the system's temp directory.  Each start appends a header line naming its ports; a file
+over 64 MiB is rotated to ``mooncake_master.log.1`` at the next start.  Several masters with
+one ``log_dir`` share the file (their lines interleave).
 
 ``lease_ttl_ms`` is ``--default_kv_lease_ttl``: a read's lease must outlast its transfer (a
 200 ms lease failed 256 MiB batch reads with -707), and ``remove`` is refused (-706) while a
-lease is held.  Observed: the metadata server listens on 0.0.0.0 whatever
-``--http_metadata_server_host`` says.
+lease is held.
 """
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -40,7 +53,12 @@ from typing import Any
 
 LOOPBACK = "127.0.0.1"
 BINARY = "mooncake_master"
+LOG_NAME = "mooncake_master.log"
+LOG_ROTATE_BYTES = 64 << 20
+P2P_METADATA = "P2PHANDSHAKE"
 _POLL = 0.05
+
+log = logging.getLogger(__name__)
 
 
 class MooncakeMasterError(RuntimeError):
@@ -80,6 +98,11 @@ def _die_with_parent() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
+def default_log_dir() -> str:
+    """``$CTM_LOG_DIR``, else ``./log``: the CTMs' default, as FastDeploy's ``log/``."""
+    return os.path.abspath(os.environ.get("CTM_LOG_DIR") or "log")
+
+
 def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -102,7 +125,7 @@ class LocalMooncakeMaster:
                  rpc_port: int | None = None, http_port: int | None = None, metrics_port: int | None = None,
                  extra_args: list[str] | None = None, binary: str | None = None,
                  start_timeout: float = 20.0, stop_grace: float = 5.0, log_dir: str | None = None,
-                 die_with_parent: bool = True) -> None:
+                 die_with_parent: bool = True, http_metadata: bool = False) -> None:
         self.binary = binary or find_master_binary()
         self.lease_ttl_ms = int(lease_ttl_ms)
         self.client_ttl_s = client_ttl_s
@@ -110,11 +133,12 @@ class LocalMooncakeMaster:
         self.start_timeout = float(start_timeout)
         self.stop_grace = float(stop_grace)
         self.die_with_parent = bool(die_with_parent)
-        self._fixed_ports = (rpc_port, http_port, metrics_port)
+        self.http_metadata = bool(http_metadata)
+        self._fixed_ports = (rpc_port, http_port if self.http_metadata else 0, metrics_port)
         self.rpc_port, self.http_port, self.metrics_port = self._fixed_ports
-        self._own_log_dir = log_dir is None
-        self.log_dir = log_dir or tempfile.mkdtemp(prefix="mooncake-master-")
-        self.log_path = os.path.join(self.log_dir, "mooncake_master.log")
+        self.log_dir = os.path.abspath(log_dir) if log_dir else default_log_dir()
+        self.log_path = os.path.join(self.log_dir, LOG_NAME)
+        self._log_start = 0             # where this start's output begins in the shared log
         self._proc: subprocess.Popen | None = None
         self._log_file = None
 
@@ -126,7 +150,8 @@ class LocalMooncakeMaster:
 
     @property
     def metadata_server(self) -> str:
-        return f"http://{LOOPBACK}:{self.http_port}/metadata"
+        """``P2PHANDSHAKE``, or the embedded server's URL with ``http_metadata``."""
+        return f"http://{LOOPBACK}:{self.http_port}/metadata" if self.http_metadata else P2P_METADATA
 
     @property
     def pid(self) -> int | None:
@@ -155,7 +180,7 @@ class LocalMooncakeMaster:
         deadline = time.monotonic() + self.start_timeout
         for attempt in range(1, 6):
             if pick:
-                fresh = iter(_distinct_free_ports(3))
+                fresh = iter(_distinct_free_ports(3))   # a spare one when there is no http port
                 self.rpc_port, self.http_port, self.metrics_port = (
                     fixed if fixed is not None else next(fresh) for fixed in self._fixed_ports)
             try:
@@ -177,20 +202,36 @@ class LocalMooncakeMaster:
         argv = [
             self.binary,
             f"--rpc_port={self.rpc_port}", f"--rpc_address={LOOPBACK}",
-            "--enable_http_metadata_server=true",
-            f"--http_metadata_server_port={self.http_port}", f"--http_metadata_server_host={LOOPBACK}",
             f"--metrics_port={self.metrics_port}", f"--metrics_host={LOOPBACK}",
             f"--default_kv_lease_ttl={self.lease_ttl_ms}",
         ]
+        if self.http_metadata:
+            argv += ["--enable_http_metadata_server=true", f"--http_metadata_server_port={self.http_port}",
+                     f"--http_metadata_server_host={LOOPBACK}"]
         if self.client_ttl_s is not None:
             argv.append(f"--client_ttl={int(self.client_ttl_s)}")
         return argv + self.extra_args
 
+    def _open_log(self) -> None:
+        os.makedirs(self.log_dir, exist_ok=True)
+        try:
+            if os.path.getsize(self.log_path) > LOG_ROTATE_BYTES:
+                os.replace(self.log_path, self.log_path + ".1")
+        except OSError:
+            pass
+        self._log_file = open(self.log_path, "ab")
+        self._log_start = self._log_file.tell()
+        header = f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} owner pid {os.getpid()}: {' '.join(self._argv())}\n"
+        self._log_file.write(header.encode())
+        self._log_file.flush()
+
     def _spawn(self) -> None:
         self._close_log()
-        self._log_file = open(self.log_path, "ab")
-        self._log_file.write(f"==== {time.strftime('%H:%M:%S')} {' '.join(self._argv())}\n".encode())
-        self._log_file.flush()
+        if self.http_metadata:
+            log.warning("mooncake_master %s: its HTTP metadata server on port %d listens on every interface "
+                        "(Mooncake 0.3.13 ignores --http_metadata_server_host)", self.master_server_addr,
+                        self.http_port)
+        self._open_log()
         # Own session: a Ctrl+C in the terminal reaches the parent, which stops the master.
         self._proc = subprocess.Popen(self._argv(), stdin=subprocess.DEVNULL, stdout=self._log_file,
                                       stderr=subprocess.STDOUT, start_new_session=True,
@@ -204,7 +245,8 @@ class LocalMooncakeMaster:
                 raise MooncakeMasterError(f"{BINARY} exited with status {code} while starting "
                                           f"(rpc {self.master_server_addr}); log tail:\n{self.log_tail()}")
             rpc_ok = rpc_ok or (self._tcp_answers(self.rpc_port) and self._owns_listener(self.rpc_port))
-            http_ok = http_ok or (rpc_ok and self._owns_listener(self.http_port) and self._http_answers())
+            http_ok = http_ok or not self.http_metadata or (
+                rpc_ok and self._owns_listener(self.http_port) and self._http_answers())
             if rpc_ok and http_ok:
                 return
             if time.monotonic() >= deadline:
@@ -304,10 +346,12 @@ class LocalMooncakeMaster:
         return self.start()
 
     def log_tail(self, max_bytes: int = 4000) -> str:
+        """The end of this start's output (other masters sharing the file may interleave)."""
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - max_bytes))
+                end = f.tell()
+                f.seek(max(self._log_start if self._log_start <= end else 0, end - max_bytes))
                 return f.read().decode(errors="replace")
         except OSError:
             return "(no log)"
@@ -318,10 +362,8 @@ class LocalMooncakeMaster:
             self._log_file = None
 
     def cleanup(self) -> None:
-        """Stop and remove the temporary log directory."""
+        """Stop.  (Kept for callers of older versions: nothing temporary is created any more.)"""
         self.stop()
-        if self._own_log_dir:
-            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalMooncakeMaster":
         return self.start()

@@ -5,31 +5,24 @@ passes raw pointers into them (``batch_get_into`` / ``batch_put_from`` and their
 ``_multi_buffers`` forms, one object gathered from / scattered to several buffers).  Keys are
 used as given; the caller builds namespaced keys (``transfer_factory.keys``).
 
-Configuration: the ``options`` dict when it names the master, else the JSON file named by
-``MOONCAKE_CONFIG_PATH``, else ``MOONCAKE_*`` environment variables; in the last two cases
-keys given in ``options`` override the file's or the environment's.  Both FastDeploy's and
-Mooncake's spellings are accepted (two spellings with different values are an error):
-
-    master_server_addr | master_server_address   MOONCAKE_MASTER | MOONCAKE_MASTER_SERVER_ADDR    (required)
-    metadata_server                              MOONCAKE_TE_META_DATA_SERVER | MOONCAKE_METADATA_SERVER
-                                                   (default "P2PHANDSHAKE": no metadata service needed)
-    protocol                                     MOONCAKE_PROTOCOL                    (default "tcp")
-    rdma_devices | device_name                   MOONCAKE_DEVICE | MOONCAKE_RDMA_DEVICES (default "")
-    local_hostname                               MOONCAKE_LOCAL_HOSTNAME | LOCAL_HOSTNAME (default 127.0.0.1)
-    global_segment_size                          MOONCAKE_GLOBAL_SEGMENT_SIZE  (default 512 MiB; int or "1gb")
-    local_buffer_size                            MOONCAKE_LOCAL_BUFFER_SIZE    (default 64 MiB)
-
-Tuning (``options`` or the JSON file): ``rpc_timeout_ms`` (5000), ``rpc_connect_timeout_ms``
-(2000), ``setup_retries`` (3), ``probe_timeout`` (1.0 s), ``retry_interval`` (1.0 s),
-``reconnect_after`` (15 s), ``close_timeout`` (10 s, the wait for calls in flight).  A missing
-or malformed value, an unknown protocol, an unreadable or invalid JSON file raise
-``StorageConfigError`` naming the key or the file, at construction, before anything connects.
-A master that does not answer, or a failed ``setup``, raises ``MooncakeConnectionError`` (both
-a ``StorageConfigError`` and a ``ConnectionError``) naming the master address.
+Configuration: see ``mooncake_config.py`` (``options``, else the JSON file at
+``MOONCAKE_CONFIG_PATH``, else ``MOONCAKE_*`` variables; tuning keys ``rpc_timeout_ms``,
+``rpc_connect_timeout_ms``, ``setup_retries``, ``probe_timeout``, ``retry_interval``,
+``reconnect_after``, ``close_timeout``).  A master that does not answer, or a failed
+``setup``, raises ``MooncakeConnectionError`` (both a ``StorageConfigError`` and a
+``ConnectionError``) naming the master address.
 
 Each store contributes ``global_segment_size`` bytes of this process's memory to the pool; the
 master places objects in any mounted segment, and those in this one are gone when this client
 closes (see ``reconnect`` and ``close``).
+
+Binds: the client listens on two ports (the P2P handshake, and the TCP transport's data port,
+which serves reads and writes of this process's registered memory).  Mooncake 0.3.13 binds both
+to every interface whatever ``local_hostname`` says; when ``local_hostname`` is a loopback
+address (the default, 127.0.0.1) this store keeps them on loopback (``mooncake_loopback.py``
+says how).  Any other ``local_hostname`` is a multi-host setup: Mooncake binds as it always does.
+The ``MC_*`` variables below are set only while ``setup`` runs, so child processes (CTMs
+started by this process) do not inherit one store's values.
 
 What Mooncake 0.3.13 does when the master fails (measured on loopback, TCP protocol)
 -----------------------------------------------------------------------------------------
@@ -50,9 +43,13 @@ What Mooncake 0.3.13 does when the master fails (measured on loopback, TCP proto
   same client recovers by itself.  Its heartbeat reconnects and remounts its segment within
   ~0.3-2 s; until then reads find nothing and writes fail with ``NO_AVAILABLE_HANDLE`` (-200,
   no segment mounted).  No re-``setup`` was needed in any run.
-* ``close()`` holds the GIL (every Python thread stops) for ~1-2 s, ~7-11 s when the master is
-  gone (its heartbeat thread is stuck reconnecting); an unclosed client blocks as long in its
-  destructor at exit.  Any call on a closed client segfaults.
+* ``close()`` holds the GIL (every Python thread stops) for ~2 s, 11-19 s when the master is
+  gone (its heartbeat thread is stuck reconnecting); an unclosed client's destructor, or the
+  library's teardown at interpreter exit, blocks as long (a process with a client whose master
+  was killed took 19-23 s to exit).  ``setup`` holds the GIL too: ~4 s against a stopped master
+  with a 2 s RPC timeout and 2 retries.  Any call on a closed client segfaults.
+* A stopped (SIGSTOP) master's kernel still accepts TCP connections; a running master closes
+  at once a connection that sends a bad header, a stopped one leaves it unanswered.
 * Reads hold a lease (``--default_kv_lease_ttl``): a lease shorter than one batch's transfer
   fails reads with -707 (``LEASE_EXPIRED``; seen with 200 ms and 256 MiB per batch across
   processes), and ``remove`` returns -706 while a lease is held.  A full segment answers writes
@@ -80,9 +77,16 @@ How this store stays bounded and recovers
   closes it; an old client whose calls do not finish is left open rather than risking a
   segfault.  ``reconnect()`` does the same synchronously.  Objects held in the old client's
   segment are gone with it.
+* Nothing that holds the GIL while it waits on the master runs against a master that does not
+  answer a liveness probe (connect, send a bad header, expect the connection closed within
+  ``probe_timeout``): a reconnect's ``setup`` is not tried, and a client is parked (kept
+  referenced, never closed) instead of closed.  So a stopped master never freezes the CTM's
+  other threads (swaps, the queue, the engine watch) for seconds.
 * ``close()`` is idempotent: it waits (bounded by ``close_timeout``) for calls in flight,
-  unregisters the buffers (unless the master is down), closes the client; afterwards batch
-  calls return ``UNAVAILABLE``.
+  unregisters the buffers (unless the master is down), closes the client (~2 s, every thread
+  stopped); when the master does not answer the probe the client is parked instead, and the
+  process should leave with ``os._exit`` (its teardown would block 10-20 s).  Afterwards batch
+  calls return ``UNAVAILABLE``.  A CTM whose engine died skips ``close`` and ``os._exit``s.
 
 Result codes: get -> bytes read (> 0), ``NOT_FOUND`` (-704), ``BUFFER_TOO_SMALL`` (-600);
 set -> 0 (also for an existing key); exists -> 1/0.  Mooncake's ``NO_AVAILABLE_HANDLE`` ->
@@ -92,60 +96,31 @@ ready, -706 object has a lease, -707 lease expired, ...) pass through unchanged.
 """
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
 import re
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from .kvcache_storage import (BUFFER_TOO_SMALL, CORRUPT, INVALID, NO_SPACE, NOT_FOUND, UNAVAILABLE,
                               KVCacheStorage, StorageAccess, StorageConfigError, check_batch)
+from .mooncake_config import (CONFIG_PATH_ENV, DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LOCAL_BUFFER_SIZE,
+                              DEFAULT_METADATA_SERVER, PROTOCOLS, MooncakeConfig, load_mooncake_config, parse_size)
+from .mooncake_loopback import loopback_address, loopback_binds
+
+__all__ = ["MooncakeStore", "MooncakeConnectionError", "MooncakeConfig", "load_mooncake_config", "parse_size",
+           "CONFIG_PATH_ENV", "PROTOCOLS", "DEFAULT_METADATA_SERVER", "DEFAULT_GLOBAL_SEGMENT_SIZE",
+           "DEFAULT_LOCAL_BUFFER_SIZE"]
 
 log = logging.getLogger(__name__)
 
-CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
-PROTOCOLS = ("tcp", "rdma", "ascend", "efa", "cxi", "nvlink", "hip")
-DEFAULT_METADATA_SERVER = "P2PHANDSHAKE"
-DEFAULT_GLOBAL_SEGMENT_SIZE = 512 << 20
-DEFAULT_LOCAL_BUFFER_SIZE = 64 << 20
-
-# canonical key -> accepted spellings in options / the JSON file, and environment variables
-_KEYS: dict[str, tuple[str, ...]] = {
-    "master_server_addr": ("master_server_addr", "master_server_address"),
-    "metadata_server": ("metadata_server",),
-    "protocol": ("protocol",),
-    "rdma_devices": ("rdma_devices", "device_name"),
-    "local_hostname": ("local_hostname",),
-    "global_segment_size": ("global_segment_size",),
-    "local_buffer_size": ("local_buffer_size",),
-}
-_ENV: dict[str, tuple[str, ...]] = {
-    "master_server_addr": ("MOONCAKE_MASTER", "MOONCAKE_MASTER_SERVER_ADDR"),
-    "metadata_server": ("MOONCAKE_TE_META_DATA_SERVER", "MOONCAKE_METADATA_SERVER"),
-    "protocol": ("MOONCAKE_PROTOCOL",),
-    "rdma_devices": ("MOONCAKE_DEVICE", "MOONCAKE_RDMA_DEVICES"),
-    "local_hostname": ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME"),
-    "global_segment_size": ("MOONCAKE_GLOBAL_SEGMENT_SIZE",),
-    "local_buffer_size": ("MOONCAKE_LOCAL_BUFFER_SIZE",),
-}
-# tuning key -> (default, kind); kind "ms"/"count" are ints >= 1, "s" floats >= 0, "s>0" floats > 0
-_TUNING: dict[str, tuple[float, str]] = {
-    "rpc_timeout_ms": (5000, "ms"),
-    "rpc_connect_timeout_ms": (2000, "ms"),
-    "setup_retries": (3, "count"),
-    "probe_timeout": (1.0, "s>0"),
-    "retry_interval": (1.0, "s"),
-    "reconnect_after": (15.0, "s"),
-    "close_timeout": (10.0, "s"),
-}
 # Mooncake client settings read from the environment at setup, and the tuning key for each.
 _CLIENT_ENV = {"MC_RPC_TIMEOUT_MS": "rpc_timeout_ms", "MC_RPC_CONNECT_TIMEOUT_MS": "rpc_connect_timeout_ms",
                "MC_STORE_CLIENT_SETUP_RETRIES": "setup_retries"}
-_ENV_SET_HERE: dict[str, str] = {}      # the values this module put there (so a later store may change them)
+_env_lock = threading.Lock()            # one setup at a time changes the process environment
 
 # Mooncake ErrorCode values this module treats specially.
 MC_NO_AVAILABLE_HANDLE = -200
@@ -157,6 +132,14 @@ MC_CHECKSUM_MISMATCH = -801
 MC_INTERNAL_ERROR = -1
 
 
+# Not a coro_rpc header (bad magic): a master whose I/O threads run closes the connection at once;
+# a stopped or hung one leaves it unanswered while its kernel still accepts connections.
+_LIVENESS_PROBE = b"\0" * 64
+# Clients whose close() was skipped because the master did not answer: kept referenced so that no
+# destructor runs (it would hold the GIL as long as close() does).  See MooncakeStore.close.
+_PARKED: list[Any] = []
+
+
 def _is_rpc_failure(code: int) -> bool:
     """RPC_FAIL (-900), RPC_TIMEOUT (-901) and the rest of Mooncake's RPC range."""
     return -999 <= code <= -900
@@ -164,172 +147,6 @@ def _is_rpc_failure(code: int) -> bool:
 
 class MooncakeConnectionError(StorageConfigError, ConnectionError):
     """The master (or the metadata service) did not answer, or ``setup`` failed."""
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(value: Any, key: str = "size") -> int:
-    """Bytes from an int or a string such as "512MB", "1gb", "2 GiB", "65536" (1 KB = 1024 B)."""
-    if isinstance(value, bool):
-        raise StorageConfigError(f"Mooncake {key} {value!r} is not a size")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, float) and value.is_integer():
-        n = int(value)
-    elif isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if not m or (m.group(3) and m.group(3).lower() == "i"):
-            raise StorageConfigError(f"Mooncake {key} {value!r} is not a size (e.g. 536870912, \"512MB\", \"1gb\")")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    else:
-        raise StorageConfigError(f"Mooncake {key} {value!r} is not a size")
-    if n < 0:
-        raise StorageConfigError(f"Mooncake {key} {value!r} must not be negative")
-    return n
-
-
-@dataclass(frozen=True)
-class MooncakeConfig:
-    master_server_addr: str
-    metadata_server: str = DEFAULT_METADATA_SERVER
-    protocol: str = "tcp"
-    rdma_devices: str = ""
-    local_hostname: str = "127.0.0.1"
-    global_segment_size: int = DEFAULT_GLOBAL_SEGMENT_SIZE
-    local_buffer_size: int = DEFAULT_LOCAL_BUFFER_SIZE
-    source: str = "options"
-
-    def master_host_port(self) -> tuple[str, int] | None:
-        """(host, port) of a plain ``host:port`` master address; None for other forms (HA URLs)."""
-        if "://" in self.master_server_addr:
-            return None
-        host, _, port = self.master_server_addr.rpartition(":")
-        return host.strip("[]"), int(port)
-
-
-def _pick(source: Mapping[str, Any], names: Sequence[str], canonical: str, where: str) -> Any:
-    present = [(n, source[n]) for n in names if n in source and source[n] is not None and source[n] != ""]
-    if len({json.dumps(v, sort_keys=True, default=str) for _, v in present}) > 1:
-        spelled = ", ".join(f"{n}={v!r}" for n, v in present)
-        raise StorageConfigError(f"Mooncake {canonical} is given twice with different values in {where}: {spelled}")
-    return present[0][1] if present else None
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise StorageConfigError(f"Mooncake config file {path} ({CONFIG_PATH_ENV}) cannot be read: {e}") from None
-    except ValueError as e:
-        raise StorageConfigError(f"Mooncake config file {path} ({CONFIG_PATH_ENV}) is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise StorageConfigError(f"Mooncake config file {path} ({CONFIG_PATH_ENV}) must hold a JSON object")
-    return data
-
-
-def _tuning(raw: Mapping[str, Any], where: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key, (default, kind) in _TUNING.items():
-        value = raw.get(key, default)
-        try:
-            if isinstance(value, bool):
-                raise ValueError
-            number = float(value)
-            if kind in ("ms", "count"):
-                if not number.is_integer() or number < 1:
-                    raise ValueError
-                number = int(number)
-            elif number < 0 or (kind == "s>0" and number == 0) or number != number:
-                raise ValueError
-        except (TypeError, ValueError):
-            need = {"ms": "a positive integer", "count": "a positive integer",
-                    "s": "a number of seconds >= 0", "s>0": "a number of seconds > 0"}[kind]
-            raise StorageConfigError(f"Mooncake {key} {value!r} in {where} must be {need}") from None
-        out[key] = number
-    return out
-
-
-def _canonical(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
-    values = {}
-    for canonical, names in _KEYS.items():
-        value = _pick(raw, names, canonical, where)
-        if value is not None:
-            values[canonical] = value
-    return values
-
-
-def load_mooncake_config(options: Mapping[str, Any] | None = None,
-                         environ: Mapping[str, str] | None = None) -> tuple[MooncakeConfig, dict[str, float]]:
-    """The connection settings and tuning.  Source: ``options`` when they name the master; else
-    the JSON file at ``MOONCAKE_CONFIG_PATH``; else the ``MOONCAKE_*`` environment.  In the last
-    two cases keys given in ``options`` (sizes, protocol, ...) override the source's."""
-    environ = os.environ if environ is None else environ
-    options = dict(options or {})
-    known = {n for names in _KEYS.values() for n in names}
-    unknown = sorted(set(options) - known - set(_TUNING))
-    if unknown:
-        log.warning("Mooncake options ignored (unknown): %s", ", ".join(unknown))
-    overrides = _canonical(options, "options")
-    if "master_server_addr" in overrides:
-        values, tuning_raw, where = overrides, options, "options"
-    elif environ.get(CONFIG_PATH_ENV):
-        path = environ[CONFIG_PATH_ENV]
-        where = f"config file {path}"
-        data = _read_json(path)
-        values = {**_canonical(data, where), **overrides}
-        tuning_raw = {**data, **{k: v for k, v in options.items() if k in _TUNING}}
-    else:
-        where = "the environment"
-        env = {canonical: _pick(environ, names, canonical, where) for canonical, names in _ENV.items()}
-        values = {**{k: v for k, v in env.items() if v is not None}, **overrides}
-        tuning_raw = options
-        if "master_server_addr" not in values:
-            raise StorageConfigError(
-                "Mooncake master_server_addr is not configured: pass options {'master_server_addr': 'host:port', ...}, "
-                f"set {CONFIG_PATH_ENV} to a JSON file, or set MOONCAKE_MASTER")
-    if overrides and where != "options":
-        where += " and options"
-
-    master = values.get("master_server_addr")
-    if master is None:
-        raise StorageConfigError(f"Mooncake master_server_addr (or master_server_address) is missing in {where}")
-    if not isinstance(master, str) or not _valid_master(master):
-        raise StorageConfigError(f"Mooncake master_server_addr {master!r} in {where} must be host:port")
-    for key in ("metadata_server", "local_hostname", "rdma_devices", "protocol"):
-        if key in values and not isinstance(values[key], str):
-            raise StorageConfigError(f"Mooncake {key} {values[key]!r} in {where} must be a string")
-    protocol = values.get("protocol", "tcp").strip().lower()
-    if protocol not in PROTOCOLS:
-        raise StorageConfigError(f"Mooncake protocol {values['protocol']!r} in {where} is unknown; known: {', '.join(PROTOCOLS)}")
-    sizes = {}
-    for key in ("global_segment_size", "local_buffer_size"):
-        if key in values:
-            try:
-                sizes[key] = parse_size(values[key], key)
-            except StorageConfigError as e:
-                raise StorageConfigError(f"{e} (in {where})") from None
-    config = MooncakeConfig(
-        master_server_addr=master.strip(),
-        metadata_server=values.get("metadata_server", DEFAULT_METADATA_SERVER).strip() or DEFAULT_METADATA_SERVER,
-        protocol=protocol,
-        rdma_devices=values.get("rdma_devices", "").strip(),
-        local_hostname=values.get("local_hostname", "127.0.0.1").strip() or "127.0.0.1",
-        global_segment_size=sizes.get("global_segment_size", DEFAULT_GLOBAL_SEGMENT_SIZE),
-        local_buffer_size=sizes.get("local_buffer_size", DEFAULT_LOCAL_BUFFER_SIZE),
-        source=where,
-    )
-    return config, _tuning(tuning_raw, where)
-
-
-def _valid_master(addr: str) -> bool:
-    addr = addr.strip()
-    if "://" in addr:          # e.g. an HA address; Mooncake checks it at setup
-        return True
-    host, sep, port = addr.rpartition(":")
-    return bool(sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536)
 
 
 class _Client:
@@ -366,7 +183,6 @@ class MooncakeStore(KVCacheStorage):
                 "storage backend 'mooncake' needs the Mooncake SDK: pip install mooncake-transfer-engine "
                 f"(mooncake-transfer-engine-non-cuda on CPU hosts): {e}") from None
         self._factory: Callable[[], Any] = MooncakeDistributedStore
-        self._apply_client_env()
 
         self._lock = threading.Condition(threading.Lock())
         self._closed = False
@@ -390,12 +206,20 @@ class MooncakeStore(KVCacheStorage):
 
     # ---- connection ------------------------------------------------------------------------
 
-    def _apply_client_env(self) -> None:
-        """Mooncake reads these at setup; a value the user put in the environment wins."""
-        for env, key in _CLIENT_ENV.items():
-            value = str(getattr(self, key))
-            if env not in os.environ or os.environ[env] == _ENV_SET_HERE.get(env):
-                os.environ[env] = _ENV_SET_HERE[env] = value
+    @contextlib.contextmanager
+    def _client_env(self) -> Iterator[None]:
+        """Mooncake reads these at setup: set for its duration only, so neither a later store nor
+        a child process (a CTM started by this process) inherits this store's values.  A value
+        the user put in the environment wins."""
+        with _env_lock:
+            added = [env for env in _CLIENT_ENV if env not in os.environ]
+            for env in added:
+                os.environ[env] = str(getattr(self, _CLIENT_ENV[env]))
+            try:
+                yield
+            finally:
+                for env in added:
+                    os.environ.pop(env, None)
 
     def _master_answers(self) -> tuple[bool, str]:
         hp = self.config.master_host_port()
@@ -407,10 +231,31 @@ class MooncakeStore(KVCacheStorage):
         except OSError as e:
             return False, str(e) or type(e).__name__
 
-    def _new_client(self) -> _Client:
+    def _master_alive(self) -> tuple[bool, str]:
+        """Whether the master's process serves, not only whether its kernel accepts connections (a
+        SIGSTOPped master does).  Asked before what holds the GIL for as long as the master takes
+        to answer (``setup``, ``close``), so a hung master never freezes every thread here."""
+        hp = self.config.master_host_port()
+        if hp is None:
+            return True, ""
+        try:
+            conn = socket.create_connection(hp, timeout=self.probe_timeout)
+        except OSError as e:
+            return False, str(e) or type(e).__name__
+        with conn:
+            try:
+                conn.sendall(_LIVENESS_PROBE)
+                conn.recv(1)            # EOF (or any answer): its I/O threads run
+            except ConnectionResetError:
+                pass                    # so does a reset
+            except OSError as e:
+                return False, f"connected but no answer within {self.probe_timeout:g}s ({e or type(e).__name__})"
+        return True, ""
+
+    def _new_client(self, check: Callable[[], tuple[bool, str]] | None = None) -> _Client:
         """A set-up client (buffers not yet registered); MooncakeConnectionError when that fails."""
         cfg = self.config
-        ok, why = self._master_answers()
+        ok, why = (check or self._master_answers)()
         if not ok:
             raise MooncakeConnectionError(f"Mooncake master {cfg.master_server_addr} is not reachable ({why}); "
                                           f"config from {cfg.source}")
@@ -421,8 +266,12 @@ class MooncakeStore(KVCacheStorage):
             raise MooncakeConnectionError(f"Mooncake client for master {cfg.master_server_addr} could not be "
                                           f"created: {type(e).__name__}: {e}") from None
         try:
-            rc = store.setup(cfg.local_hostname, cfg.metadata_server, cfg.global_segment_size, cfg.local_buffer_size,
-                             cfg.protocol, cfg.rdma_devices, cfg.master_server_addr)
+            # Every listener of the client is created inside setup; for a loopback local_hostname
+            # they are kept on loopback (Mooncake itself binds them to all interfaces).
+            host = loopback_address(cfg.local_hostname)
+            with self._client_env(), loopback_binds(host) if host else contextlib.nullcontext():
+                rc = store.setup(cfg.local_hostname, cfg.metadata_server, cfg.global_segment_size,
+                                 cfg.local_buffer_size, cfg.protocol, cfg.rdma_devices, cfg.master_server_addr)
         except Exception as e:  # pybind raises on argument or transport errors
             rc, detail = None, f"{type(e).__name__}: {e}"
         else:
@@ -442,9 +291,10 @@ class MooncakeStore(KVCacheStorage):
 
     def reconnect(self) -> bool:
         """Replace the client now: set up a new one, register every buffer, retire the old one.
-        Returns whether it worked (the old client stays in place when it did not)."""
+        Returns whether it worked (the old client stays in place when it did not).  Nothing is
+        tried while the master does not answer: setup would hold the GIL meanwhile."""
         try:
-            new = self._new_client()
+            new = self._new_client(check=self._master_alive)
         except MooncakeConnectionError as e:
             log.warning("mooncake store rank %d: reconnect failed: %s", self.rank, e)
             with self._lock:
@@ -494,7 +344,8 @@ class MooncakeStore(KVCacheStorage):
             self._reconnect_thread.start()
 
     def _retire(self, old: _Client) -> None:
-        """Close a replaced client once no call is on it (bounded); leave it open otherwise."""
+        """Close a replaced client once no call is on it (bounded); leave it open otherwise, and
+        park it while the master does not answer (its close would hold the GIL ~10-20 s)."""
         deadline = time.monotonic() + self.close_timeout
         with self._lock:
             while old.inflight and time.monotonic() < deadline:
@@ -504,7 +355,18 @@ class MooncakeStore(KVCacheStorage):
             log.warning("mooncake store rank %d: old client generation %d still has %d calls after %.0fs; "
                         "leaving it open", self.rank, old.generation, busy, self.close_timeout)
             return
-        self._close_client(old, unregister=False)
+        if not self._park_if_master_gone(old, "old client"):
+            self._close_client(old, unregister=False)
+
+    def _park_if_master_gone(self, client: _Client, what: str) -> bool:
+        alive, why = self._master_alive()
+        if alive:
+            return False
+        _PARKED.append(client.store)
+        log.warning("mooncake store rank %d: master %s does not answer (%s): %s generation %d left open, not "
+                    "closed (closing would hold the GIL for 10-20 s)", self.rank, self.config.master_server_addr,
+                    why, what, client.generation)
+        return True
 
     def _close_client(self, client: _Client, unregister: bool) -> None:
         try:
@@ -797,9 +659,12 @@ class MooncakeStore(KVCacheStorage):
             log.warning("mooncake store rank %d: %d calls still in flight after %.0fs; not closing the client",
                         self.rank, busy, self.close_timeout)
             return
-        # Mooncake's close holds the GIL: ~1-2 s, ~7-11 s when the master is gone (its heartbeat
-        # thread is stuck reconnecting).  Leaving the client open is worse: its destructor at
-        # interpreter exit blocks as long, and a closed client must never be called again.
+        # Mooncake's close holds the GIL: ~2 s, 11-19 s when the master is gone (its heartbeat
+        # thread is stuck reconnecting), and a closed client must never be called again.  With
+        # the master gone the client is parked instead: its destructor would block as long, so
+        # the process should leave with os._exit (as a CTM does) rather than by interpreter exit.
+        if self._park_if_master_gone(client, "client"):
+            return
         start = time.monotonic()
         self._close_client(client, unregister=not down)
         spent = time.monotonic() - start
