@@ -218,7 +218,7 @@ def rank_logger(rank: int, log_dir: str) -> logging.Logger:
     err.setLevel(logging.WARNING)
     err.setFormatter(fmt)
     log.addHandler(err)
-    for name in ("cache_manager", "ops"):  # library modules log through the rank's handlers
+    for name in ("cache_manager", "ops", "transfer_factory"):  # library modules log through the rank's handlers
         lib = logging.getLogger(name)
         lib.setLevel(logging.INFO)
         lib.handlers = log.handlers
@@ -524,10 +524,11 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         ctm.close(engine_gone)
-    if engine_gone:
-        logging.shutdown()  # flush the rank's log, then skip interpreter teardown (and client destructors)
-        os._exit(0)
-    return code
+    # Everything this process owns is released above.  Interpreter teardown can still hang for
+    # many seconds in a storage client's destructor (Mooncake holds the GIL while it closes,
+    # 11-19 s once its master is gone): flush the rank's log and leave now.
+    logging.shutdown()
+    os._exit(code)
 
 
 if __name__ == "__main__":
