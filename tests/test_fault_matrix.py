@@ -1,6 +1,8 @@
 """The fault matrix (DESIGN §3.8, §4): each row causes a fault for real at TP=2 with real CTM
 processes and asserts what the engine sees afterwards, byte for byte.
 
+One row lives beside the machinery it needs: a real Mooncake master SIGSTOPped with a write
+in flight (``test_mooncake_faults.py::test_stopped_master_late_write_never_stores_or_returns_reused_bytes``).
 The unit-level versions live next to their machinery: the FileStore on a full tmpfs
 (``test_file_store_full_disk.py``), the queue under replay, forgery and malformed frames
 (``test_queue_hardening.py``, whose Tap the rows here reuse).
