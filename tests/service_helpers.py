@@ -44,3 +44,16 @@ def process_gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except FileNotFoundError:
         return True
+
+
+def block_bytes(svc: CacheTransferService, ids) -> dict:
+    """(rank, kind, layer) -> a copy of blocks ``ids`` of that cache."""
+    return {k: v[list(ids)].copy() for k, v in views(svc).items()}
+
+
+def write_random_blocks(svc: CacheTransferService, ids, seed: int) -> dict:
+    """The engine writes fresh random bytes into blocks ``ids`` of every cache; returns them."""
+    rng = np.random.default_rng(seed)
+    for v in views(svc).values():
+        v[list(ids)] = rng.integers(0, 256, v[list(ids)].shape, dtype=np.uint8)
+    return block_bytes(svc, ids)

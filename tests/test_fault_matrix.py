@@ -28,23 +28,14 @@ from engine_hooks import TaskTimeoutError
 from tests.test_file_store_full_disk import FS_BYTES, PAGE, files_under, fill, free_bytes
 from transfer_factory.file_store import FileStore
 from transfer_factory.keys import storage_key
-from tests.service_helpers import fill_distinct, process_gone, segments_of, start_service, views
+from tests.service_helpers import (block_bytes, fill_distinct, process_gone, segments_of, start_service, views,
+                                  write_random_blocks)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLUGIN_ENV = {"CTM_STORAGE_PLUGINS": "latched=tests.latched_store:LatchedStore"}
 TIMEOUT = 1.0
 GRACE = 5.0  # what the service adds to a storage task's timeout for the ranks' answers to arrive
 
-
-def _blocks(svc, ids) -> dict:
-    return {k: v[list(ids)].copy() for k, v in views(svc).items()}
-
-
-def _write_blocks(svc, ids, seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    for v in views(svc).values():
-        v[list(ids)] = rng.integers(0, 256, v[list(ids)].shape, dtype=np.uint8)
-    return _blocks(svc, ids)
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -108,7 +99,7 @@ def test_stalled_backend_write_never_stores_bytes_written_after_the_task(latched
     call = "batch_set" if mode == "staged" else "batch_set_multi"
     fill_distinct(svc, seed=1)
     hashes, blocks = _hashes(f"w{mode}", 2), [1, 2]
-    original = _blocks(svc, blocks)
+    original = block_bytes(svc, blocks)
     future = _stalled(latch, call, lambda: svc.write_storage(hashes, blocks, timeout=TIMEOUT))
     if mode == "staged":
         # The late call holds only its snapshot: the blocks are the engine's again at once.
@@ -119,20 +110,20 @@ def test_stalled_backend_write_never_stores_bytes_written_after_the_task(latched
         assert not future.released.done()
         assert svc.unreleased_tasks()
     if mode == "staged":
-        _write_blocks(svc, blocks, seed=2)  # the engine reuses the blocks
+        write_random_blocks(svc, blocks, seed=2)  # the engine reuses the blocks
     latch.open(call)
     future.released.result(timeout=10)
     if mode == "direct":
-        _write_blocks(svc, blocks, seed=2)  # only now may the engine reuse them
+        write_random_blocks(svc, blocks, seed=2)  # only now may the engine reuse them
     _wait_for(lambda: latch.seen(call, "done"), 10, "the late call to return")
-    reused = _blocks(svc, blocks)
+    reused = block_bytes(svc, blocks)
     time.sleep(0.2)
-    assert _same(_blocks(svc, blocks), reused), "a device block changed after the task answered"
+    assert _same(block_bytes(svc, blocks), reused), "a device block changed after the task answered"
     # What the store holds under those hashes is the original bytes or nothing, never the new ones.
     target = [5, 6]
-    _write_blocks(svc, target, seed=3)
+    write_random_blocks(svc, target, seed=3)
     loaded = svc.read_storage(hashes, target, timeout=10).result(timeout=20)
-    got = _blocks(svc, target)
+    got = block_bytes(svc, target)
     for i, block in enumerate(loaded):
         for k in got:
             assert np.array_equal(got[k][i], original[k][i]), f"block {block} ({k}) is not the original bytes"
@@ -144,29 +135,29 @@ def test_stalled_backend_read_never_changes_a_device_block_after_the_task(latche
     call = "batch_get" if mode == "staged" else "batch_get_multi"
     fill_distinct(svc, seed=4)
     hashes = _hashes(f"r{mode}", 2)
-    original = _blocks(svc, [1, 2])
+    original = block_bytes(svc, [1, 2])
     assert svc.write_storage(hashes, [1, 2], timeout=10).result(timeout=20) == [1, 2]
     target = [7, 8]
-    _write_blocks(svc, target, seed=5)
+    write_random_blocks(svc, target, seed=5)
     future = _stalled(latch, call, lambda: svc.read_storage(hashes, target, timeout=TIMEOUT))
     if mode == "staged":
         assert future.released.done()
-        reused = _write_blocks(svc, target, seed=6)  # the engine computes into the blocks
+        reused = write_random_blocks(svc, target, seed=6)  # the engine computes into the blocks
         latch.open(call)
         _wait_for(lambda: latch.seen(call, "done"), 10, "the late call to return")
         time.sleep(0.3)
-        assert _same(_blocks(svc, target), reused), "a late read scattered into reused device blocks"
+        assert _same(block_bytes(svc, target), reused), "a late read scattered into reused device blocks"
     else:
         time.sleep(0.3)
         assert not future.released.done()  # the direct read may still write the blocks
         latch.open(call)
         future.released.result(timeout=10)
-        reused = _write_blocks(svc, target, seed=6)
+        reused = write_random_blocks(svc, target, seed=6)
         time.sleep(0.3)
-        assert _same(_blocks(svc, target), reused)
+        assert _same(block_bytes(svc, target), reused)
     # The store still serves the original bytes.
     assert svc.read_storage(hashes, [9, 10], timeout=10).result(timeout=20) == [9, 10]
-    assert _same(_blocks(svc, [9, 10]), original)
+    assert _same(block_bytes(svc, [9, 10]), original)
 
 
 def test_stalled_backend_backlog_is_bounded_and_fails_tasks_fast(latched):
@@ -255,16 +246,29 @@ def test_a_swap_queued_on_a_stopped_rank_never_touches_the_reused_block(svc):
         rng = np.random.default_rng(13)
         for (rank, _, _), view in held.items():
             view[6] = rng.integers(0, 256, view[6].shape, dtype=np.uint8)  # the engine reuses block 6 anyway
-        reused = _blocks(svc, [6])
+        reused = block_bytes(svc, [6])
     finally:
         os.kill(pid, signal.SIGCONT)
     future.released.result(timeout=10)  # rank 1 answered: it dropped the task, past its deadline
     time.sleep(0.2)
-    assert _same(_blocks(svc, [6]), reused), "the late swap overwrote a block the engine reused"
+    assert _same(block_bytes(svc, [6]), reused), "the late swap overwrote a block the engine reused"
     assert svc.swap_to_gpu([6], [5]).result(timeout=20)  # and the rank serves on
 
 
 # ---------------------------------------------------------------- the supervisor survives
+def _deadlines_still_fire(svc, rank: int) -> None:
+    """A task that a stopped rank cannot answer still fails at its deadline (0.5 s), not later."""
+    pid = svc.pids()[rank]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TaskTimeoutError):
+            svc.control("ping", timeout=0.5).result(timeout=5)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_an_exception_in_the_supervisor_does_not_stop_deadlines(svc, monkeypatch):
     real = svc._expire
     calls = {"n": 0}
@@ -279,21 +283,13 @@ def test_an_exception_in_the_supervisor_does_not_stop_deadlines(svc, monkeypatch
     errors = svc.supervisor_errors
     _wait_for(lambda: svc.supervisor_errors > errors, 5, "the injected fault")
     assert svc._supervisor.is_alive()
-    pid = svc.pids()[0]
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(TaskTimeoutError):
-            svc.control("ping", timeout=0.5).result(timeout=5)
-        assert time.monotonic() - t0 < 2.0
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    _deadlines_still_fire(svc, rank=0)
     fill_distinct(svc, seed=14)
-    want = _blocks(svc, [9])
+    want = block_bytes(svc, [9])
     svc.swap_to_cpu([9], [1]).result(timeout=20)
-    _write_blocks(svc, [9], seed=15)
+    write_random_blocks(svc, [9], seed=15)
     svc.swap_to_gpu([9], [1]).result(timeout=20)
-    assert _same(_blocks(svc, [9]), want)
+    assert _same(block_bytes(svc, [9]), want)
 
 
 # ---------------------------------------------------------------- a paused engine
@@ -466,22 +462,22 @@ def _ctm_log(svc, rank: int) -> str:
 
 
 def _round_trip(svc, block: int, slot: int, seed: int) -> None:
-    want = _write_blocks(svc, [block], seed)
+    want = write_random_blocks(svc, [block], seed)
     svc.swap_to_cpu([block], [slot]).result(timeout=20)
-    _write_blocks(svc, [block], seed + 1)
+    write_random_blocks(svc, [block], seed + 1)
     svc.swap_to_gpu([block], [slot]).result(timeout=20)
-    assert _same(_blocks(svc, [block]), want)
+    assert _same(block_bytes(svc, [block]), want)
 
 
 def test_a_replayed_task_frame_never_runs_again(tapped):
     svc, tap = tapped
-    _write_blocks(svc, [3], seed=41)
+    write_random_blocks(svc, [3], seed=41)
     svc.swap_to_cpu([3], [0]).result(timeout=20)
     before = {r: len(tap.frames("down", "tasks", f"rank{r}.t".encode())) for r in range(2)}
     svc.swap_to_gpu([3], [0], timeout=60).result(timeout=20)  # a deadline far off: only the counter stops a replay
     frames = {r: tap.frames("down", "tasks", f"rank{r}.t".encode())[before[r]:] for r in range(2)}
     assert all(len(f) == 1 for f in frames.values()), frames
-    reused = _write_blocks(svc, [3], seed=42)  # the engine reuses block 3
+    reused = write_random_blocks(svc, [3], seed=42)  # the engine reuses block 3
     logged = [_ctm_log(svc, r).count("dropped frame") for r in range(2)]  # the log files are the session's
     for r in range(2):
         identity = tap.identity("tasks", f"rank{r}.t".encode())
@@ -489,7 +485,7 @@ def test_a_replayed_task_frame_never_runs_again(tapped):
         tap.replay("down", "tasks", tap.identity("tasks", f"rank{1 - r}.t".encode()), frames[r][0])  # the other rank's
     _wait_for(lambda: all(_ctm_log(svc, r).count("dropped frame") >= logged[r] + 2 for r in range(2)), 5, "the drops")
     time.sleep(0.2)
-    assert _same(_blocks(svc, [3]), reused), "a replayed swap ran again"
+    assert _same(block_bytes(svc, [3]), reused), "a replayed swap ran again"
     _round_trip(svc, 3, 1, seed=43)
 
 
@@ -566,13 +562,5 @@ def test_an_exception_in_the_queue_io_loop_costs_one_iteration(tapped, monkeypat
     svc.control("ping").result(timeout=10)  # wakes the I/O loop
     _wait_for(lambda: server.loop_errors == errors + 1, 5, "the injected fault")
     assert server.io_thread_alive()
-    pid = svc.pids()[1]
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(TaskTimeoutError):
-            svc.control("ping", timeout=0.5).result(timeout=5)
-        assert time.monotonic() - t0 < 2.0
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    _deadlines_still_fire(svc, rank=1)
     _round_trip(svc, 7, 4, seed=46)

@@ -28,7 +28,8 @@ import pytest
 
 pytest.importorskip("mooncake.store")
 
-from tests.service_helpers import fill_distinct, process_gone, segments_of, start_service, views  # noqa: E402
+from tests.service_helpers import (block_bytes, fill_distinct, process_gone, segments_of, start_service,  # noqa: E402
+                                  write_random_blocks)
 from transfer_factory.keys import chain_hash_ids, storage_key  # noqa: E402
 from transfer_factory.mooncake_loopback import loopback_address  # noqa: E402
 from transfer_factory.mooncake_master import LocalMooncakeMaster  # noqa: E402
@@ -255,16 +256,6 @@ SCENARIOS = {
 }
 
 
-def _blocks(svc, ids) -> dict:
-    return {k: v[list(ids)].copy() for k, v in views(svc).items()}
-
-
-def _write_blocks(svc, ids, seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    for v in views(svc).values():
-        v[list(ids)] = rng.integers(0, 256, v[list(ids)].shape, dtype=np.uint8)
-    return _blocks(svc, ids)
-
 
 def _objects(blocks: dict, i: int) -> dict[tuple[int, str], bytes]:
     """(rank, kind tag) -> the object a rank stores for the i-th block: its layers, concatenated."""
@@ -307,7 +298,7 @@ def test_stopped_master_late_write_never_stores_or_returns_reused_bytes(mode, sc
             assert svc.write_storage(control, [0]).result(timeout=60) == [0]
             hashes = chain_hash_ids([f"stall-{mode}-{scenario}-{os.getpid()}-{i}" for i in range(2)])
             blocks = [1, 2]
-            original, control_bytes = _blocks(svc, blocks), _blocks(svc, [0])
+            original, control_bytes = block_bytes(svc, blocks), block_bytes(svc, [0])
             reused = None
             os.kill(master.pid, signal.SIGSTOP)
             stopped_at = time.monotonic()
@@ -324,14 +315,14 @@ def test_stopped_master_late_write_never_stores_or_returns_reused_bytes(mode, sc
                     pass
                 else:
                     assert _state(master.pid) == "T"
-                    reused = _write_blocks(svc, blocks, seed=6)
+                    reused = write_random_blocks(svc, blocks, seed=6)
                 time.sleep(max(0.0, STOP_S - (time.monotonic() - stopped_at)))
             finally:
                 os.kill(master.pid, signal.SIGCONT)
             reused_while_stopped = reused is not None
             if reused is None:
                 future.released.result(timeout=10 + GRACE)
-                reused = _write_blocks(svc, blocks, seed=6)
+                reused = write_random_blocks(svc, blocks, seed=6)
             time.sleep(3.0)     # the master answers what queued up while it was stopped; late calls end
             logs = "".join(open(os.path.join(svc.log_dir, f"cache_transfer_manager_rank{r}.log")).read()
                            for r in (0, 1))
@@ -348,10 +339,10 @@ def test_stopped_master_late_write_never_stores_or_returns_reused_bytes(mode, sc
                     assert is_original, f"block {i} rank {rank} {tag}: the store holds bytes of neither"
 
             target = [8, 9, 10]
-            _write_blocks(svc, target, seed=7)
+            write_random_blocks(svc, target, seed=7)
             loaded = svc.read_storage(control + hashes, target, timeout=10).result(timeout=30)
             assert loaded[:1] == [8], "the control block should read back once the master runs again"
-            got = _blocks(svc, target)
+            got = block_bytes(svc, target)
             for k in got:
                 assert np.array_equal(got[k][0], control_bytes[k][0])
             for i, block in enumerate(loaded[1:]):
