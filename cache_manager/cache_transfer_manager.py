@@ -22,6 +22,7 @@ SIGTERM gives a clean exit.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import logging
@@ -249,6 +250,7 @@ class CacheTransferManager:
         self.recv_seq = 0
         self.exit_timeout = float(os.environ.get(EXIT_TIMEOUT_ENV, "30"))
         self._engine_fd: int | None = None
+        self._next_engine_check = 0.0
         self._beat_value: int | None = None
         self._beat_seen = time.monotonic()
         self._beat_stale_logged = False
@@ -390,7 +392,10 @@ class CacheTransferManager:
                 self.scheduler.expire_waiting()
             except Exception:  # one bad iteration must not end the serve loop
                 self.log.exception("serve loop iteration failed; serving on")
-            self._check_engine()
+            now = time.monotonic()
+            if now >= self._next_engine_check:  # a busy queue must not pay a liveness check per poll
+                self._next_engine_check = now + 0.2
+                self._check_engine()
 
     def _poll_ms(self) -> int:
         soonest = self.scheduler.next_deadline() if self.scheduler else None
@@ -429,8 +434,9 @@ class CacheTransferManager:
         mode = ops.DEVICE_TO_HOST if task.event_type == CacheStatus.SWAP2CPU else ops.HOST_TO_DEVICE
         for g in self.groups:
             self.platform.run_plan(g.swap_plan, task.gpu_block_ids, task.cpu_block_ids, mode)
-        return Outcome(bytes_moved=len(task.gpu_block_ids) * self._block_bytes_all_layers())
+        return Outcome(bytes_moved=len(task.gpu_block_ids) * self._block_bytes_all_layers)
 
+    @functools.cached_property
     def _block_bytes_all_layers(self) -> int:
         return sum(int(np.prod(t.shape[1:])) * t.element_size() for g in self.groups for t in g.tensors)
 

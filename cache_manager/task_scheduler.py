@@ -23,6 +23,7 @@ order).  Contracts:
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -60,6 +61,7 @@ class TaskScheduler:
         self._lock = threading.Lock()
         self._last: dict[Resource, _Entry] = {}  # resource -> latest task that touches it
         self._waiting: set[_Entry] = set()
+        self._deadlines: list[tuple[float, int, _Entry]] = []  # heap over waiting tasks; stale heads are skipped
         self.dropped = 0  # tasks answered without being started (deadline passed)
 
     # ------------------------------------------------------------------ intake (serve thread)
@@ -73,6 +75,8 @@ class TaskScheduler:
                 self._last[r] = entry
             entry.blockers = len(blockers) + 1  # +1: released below, once every callback is attached
             self._waiting.add(entry)
+            if deadline is not None and blockers:
+                heapq.heappush(self._deadlines, (deadline, seq, entry))
         for b in blockers:
             b.done.add_done_callback(lambda _f, e=entry: self._unblock(e))
         self._unblock(entry)
@@ -80,18 +84,22 @@ class TaskScheduler:
     def expire_waiting(self) -> None:
         """Answer the waiting tasks whose deadline passed (they will never start)."""
         now = time.monotonic()
+        expired = []
         with self._lock:
-            expired = [e for e in self._waiting if e.deadline is not None and e.deadline <= now]
-            for e in expired:
-                self._waiting.discard(e)
-                e.state = "dropped"
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, _, e = heapq.heappop(self._deadlines)
+                if e in self._waiting:
+                    self._waiting.discard(e)
+                    e.state = "dropped"
+                    expired.append(e)
         for e in expired:
             self._drop(e, "waited for earlier tasks on the same blocks past its deadline")
 
     def next_deadline(self) -> float | None:
         with self._lock:
-            deadlines = [e.deadline for e in self._waiting if e.deadline is not None]
-        return min(deadlines) if deadlines else None
+            while self._deadlines and self._deadlines[0][2] not in self._waiting:
+                heapq.heappop(self._deadlines)  # started or dropped since: no longer a deadline to watch
+            return self._deadlines[0][0] if self._deadlines else None
 
     def pending(self) -> int:
         with self._lock:
