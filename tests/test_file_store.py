@@ -541,11 +541,15 @@ def test_bad_root_namespace_rank_env(tmp_path, monkeypatch):
 def test_defaults_and_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("CTM_FILE_STORE_ROOT", raising=False)
     monkeypatch.delenv("CTM_FILE_STORE_CAPACITY", raising=False)
+    monkeypatch.delenv("FILE_BACKEND_STORAGE_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     with FileStore(namespace=NS, rank=3, options={}) as s:
         assert s.directory == tmp_path / "home/.cache/cache-transfer-manager/kv" / NS / "rank3"
         assert s.capacity_bytes == 64 << 30 and s.fsync is True
-    monkeypatch.setenv("CTM_FILE_STORE_ROOT", str(tmp_path / "envroot"))
+    monkeypatch.setenv("FILE_BACKEND_STORAGE_DIR", str(tmp_path / "fastdeploy"))  # FastDeploy's variable
+    with FileStore(namespace=NS, rank=1, options={}) as s:
+        assert s.directory == tmp_path / "fastdeploy" / NS / "rank1"
+    monkeypatch.setenv("CTM_FILE_STORE_ROOT", str(tmp_path / "envroot"))  # ours wins over FastDeploy's
     monkeypatch.setenv("CTM_FILE_STORE_CAPACITY", "2G")
     with FileStore(namespace=NS, rank=0, options={"fsync": "false"}) as s:
         assert s.directory == tmp_path / "envroot" / NS / "rank0"

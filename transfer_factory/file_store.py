@@ -47,7 +47,8 @@ of orphans and every later write failed.)
 Modes: object files are 0600 and every directory the store creates is 0700, whatever the umask;
 files and the store's own directories left looser by an older version are tightened on open.
 
-Options: ``root`` (default ``$CTM_FILE_STORE_ROOT``, else ``~/.cache/cache-transfer-manager/kv``),
+Options: ``root`` (default ``$CTM_FILE_STORE_ROOT``, else FastDeploy's ``$FILE_BACKEND_STORAGE_DIR``, else
+``~/.cache/cache-transfer-manager/kv``),
 ``capacity_bytes`` (default ``$CTM_FILE_STORE_CAPACITY``, else 64 GiB; an int, or a string with an
 optional K/M/G/T binary suffix), ``fsync`` (default True).  A bad or unknown option raises
 ``StorageConfigError`` naming it.  No pickle anywhere: payloads are raw bytes.

@@ -36,7 +36,7 @@ from typing import Any, Mapping, NamedTuple
 
 from ops.procs import pid_alive
 
-from .kvcache_storage import StorageConfigError
+from .kvcache_storage import StorageConfigError, parse_bool
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # Errors that mean "the filesystem (or the user's quota) is full", as opposed to a broken disk.
 FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
 ENV_ROOT = "CTM_FILE_STORE_ROOT"
+FASTDEPLOY_ENV_ROOT = "FILE_BACKEND_STORAGE_DIR"  # FastDeploy's file backend reads its root here
 ENV_CAPACITY = "CTM_FILE_STORE_CAPACITY"
 DEFAULT_ROOT = "~/.cache/cache-transfer-manager/kv"
 DEFAULT_CAPACITY = 64 << 30
@@ -230,16 +231,6 @@ def parse_capacity(value: Any, source: str) -> int:
     return value
 
 
-def parse_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    raise StorageConfigError(f"file store option {name} {value!r} must be a boolean")
-
-
 def resolve_options(options: Mapping[str, Any]) -> tuple[str, str, int, bool]:
     """(root, where the root came from, capacity_bytes, fsync) from the options, then the
     environment, then the defaults; a bad value raises ``StorageConfigError`` naming it."""
@@ -247,6 +238,8 @@ def resolve_options(options: Mapping[str, Any]) -> tuple[str, str, int, bool]:
         root, root_source = options["root"], "option root"
     elif os.environ.get(ENV_ROOT):
         root, root_source = os.environ[ENV_ROOT], f"${ENV_ROOT}"
+    elif os.environ.get(FASTDEPLOY_ENV_ROOT):
+        root, root_source = os.environ[FASTDEPLOY_ENV_ROOT], f"${FASTDEPLOY_ENV_ROOT}"
     else:
         root, root_source = DEFAULT_ROOT, "default root"
     if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
@@ -257,7 +250,7 @@ def resolve_options(options: Mapping[str, Any]) -> tuple[str, str, int, bool]:
         capacity = parse_capacity(os.environ[ENV_CAPACITY], f"${ENV_CAPACITY}")
     else:
         capacity = DEFAULT_CAPACITY
-    fsync = parse_bool("fsync", options.get("fsync", True))
+    fsync = parse_bool("file store option fsync", options.get("fsync", True))
     return os.path.expanduser(os.fspath(root)), root_source, capacity, fsync
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Any, Sequence
 
 # Per-key result codes.  NOT_FOUND and BUFFER_TOO_SMALL keep Mooncake's values.
 OK = 0
@@ -114,6 +114,17 @@ class KVCacheStorage(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def parse_bool(what: str, value: Any) -> bool:
+    """A boolean option given as a bool, 0/1 or a word (environment variables are strings)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    raise StorageConfigError(f"{what} {value!r} must be a boolean")
 
 
 def check_batch(keys: Sequence[str], ptrs: Sequence[object], sizes: Sequence[object]) -> None:
