@@ -1,4 +1,6 @@
-"""Read-storage and write-storage tasks of one CTM rank (DESIGN §3.1, §3.3, §3.7, §3.8, §4).
+"""Read-storage and write-storage tasks of one CTM rank over an object store (DESIGN §3.1, §3.3,
+§3.7, §3.8, §4): file, Mooncake.  Backends that move device blocks themselves (EMS,
+AttentionStore) go through ``device_storage_mover.DeviceStorageMover`` instead.
 
 One storage object is one block of one rank for all layers of one cache kind (K, V, or an
 fp8 scale), keyed ``{namespace}/{block hash}/{rank}/{k|v|k_scale|v_scale}``.  Two ways to
@@ -12,7 +14,7 @@ move the bytes, chosen from what the platform and the backend say they can do:
   stays out of use until the call returns: a late call can neither change a device block
   nor store bytes the engine wrote after the task (it stores the snapshot taken while the
   task was live, under the key those bytes belong to).
-* **direct** (``--storage_transfer direct``, and device-direct backends): the backend
+* **direct** (``--storage_transfer direct``, backends with multi-buffer calls): the backend
   gathers/scatters a block's layers straight from/to the device caches.  A direct call that
   outlives its task still touches device blocks, so the rank answers in time (0 blocks)
   with ``released=False`` and reports the release when the call returns; the engine keeps
@@ -33,7 +35,6 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -45,15 +46,11 @@ from transfer_factory.keys import Namespace, storage_key
 from transfer_factory.kvcache_storage import KVCacheStorage, StorageAccess
 
 from .cache_tasks import Outcome, ReadStorageTask, WriteStorageTask
+from .storage_io import (IO_BACKLOG, KIND_TAGS, IOThread, StorageBusy, check_block_ids, close_backend_within, leading,
+                         read_span, start_call, wait_call)
 
-KIND_TAGS = {"key_caches": "k", "value_caches": "v", "key_cache_scales": "k_scale", "value_cache_scales": "v_scale"}
 TRANSFER_MODES = ("auto", "staged", "direct")
 STAGING_BUFFERS = 2  # per direction: one for the task at hand, one held by a call that outlived its task
-IO_BACKLOG = 4  # backend calls queued per direction before new ones fail at once
-
-
-class StorageBusy(RuntimeError):
-    """The direction's backlog is full, or every staging buffer is held by a stuck call."""
 
 
 @dataclass
@@ -105,15 +102,15 @@ class StorageMover:
             block_bytes = int(np.prod(t.shape[1:])) * t.element_size()
             self.groups.append(_Group(KIND_TAGS[kind], tensors, block_bytes, [int(x.data_ptr()) for x in tensors]))
         self.device_blocks = min(int(t.shape[0]) for _, tensors in groups for t in tensors)  # valid in every layer
-        device_direct = backend.access == StorageAccess.DEVICE_DIRECT
-        can_direct = device_direct or (backend.supports_multi_buffer and platform.host_addressable)
-        if transfer == "direct" and not can_direct:
-            raise ValueError(f"--storage_transfer direct needs a device-direct backend or multi-buffer calls on a "
-                             f"host-addressable platform ({backend.name} on {platform.name} has neither)")
-        # auto stages whatever can be staged: only a staged call can outlive its task harmlessly.
-        self.direct = device_direct or transfer == "direct"
-        self._io = {d: _IOThread(f"storage-{d}-io", io_backlog) for d in ("read", "write")}
-        if self.direct and backend.access == StorageAccess.HOST_STAGED:
+        if backend.access != StorageAccess.HOST_STAGED:
+            raise ValueError(f"{backend.name} moves device blocks itself: it needs a DeviceStorageMover")
+        if transfer == "direct" and not (backend.supports_multi_buffer and platform.host_addressable):
+            raise ValueError(f"--storage_transfer direct needs multi-buffer calls on a host-addressable platform "
+                             f"({backend.name} on {platform.name} has not)")
+        # auto stages: only a staged call can outlive its task harmlessly.
+        self.direct = transfer == "direct"
+        self._io = {d: IOThread(f"storage-{d}-io", io_backlog) for d in ("read", "write")}
+        if self.direct:
             for g in self.groups:
                 for t in g.tensors:
                     backend.register_buffer(int(t.data_ptr()), int(np.prod(t.shape)) * t.element_size())
@@ -159,7 +156,7 @@ class StorageMover:
     def _fall_back_to_staging(self) -> None:
         """A direct call outlived its task: stage every later transfer.  The buffers are set up
         here, on the task's thread, and registered by the I/O thread when it gets to them."""
-        if not self.direct or self.backend.access == StorageAccess.DEVICE_DIRECT:
+        if not self.direct:
             return
         try:
             self._prepare_staging()
@@ -190,46 +187,22 @@ class StorageMover:
         return np.array(ok, dtype=bool).reshape(n, len(self.groups)).all(axis=1).tolist()
 
     def _start(self, direction: str, fn: Callable[[], Any], deadline: float, what: str) -> Future | None:
-        try:
-            return self._io[direction].submit(fn, deadline)
-        except StorageBusy as exc:
-            self.log.error("storage %s not started: %s", what, exc)
-            return None
+        return start_call(self._io[direction], fn, deadline, what, self.log)
 
     def _wait(self, future: Future, deadline: float, what: str) -> tuple[Any, bool]:
-        """(result or None, whether the call still runs past the deadline)."""
-        try:
-            return future.result(timeout=max(0.0, deadline - time.monotonic())), False
-        except FutureTimeout:
-            running = not future.cancel()  # a call that had not started never will
-            self.log.error("storage %s timed out (%s)%s", what, self.backend.name,
-                           ": the call is still running" if running else ": never started")
-            return None, running
-        except Exception as exc:
-            self.log.error("storage %s failed: %s: %s", what, type(exc).__name__, exc)
-            return None, False
+        return wait_call(future, deadline, what, self.backend.name, self.log)
 
     def _present(self, hashes: Sequence[str], deadline: float, direction: str) -> int:
         """Leading blocks present for every kind (one batched call for all kinds)."""
         def count() -> int:
             found = self.backend.exists(self._all_keys(hashes))
-            return _leading(self._per_block([f == 1 for f in found], len(hashes)))
+            return leading(self._per_block([f == 1 for f in found], len(hashes)))
 
         future = self._start(direction, count, deadline, "query")
         if future is None:
             return 0
         n, _ = self._wait(future, deadline, "query")
         return int(n) if n is not None else 0
-
-    @staticmethod
-    def _check_ids(gpu_ids: Sequence[int], hashes: Sequence[str], what: str) -> None:
-        if len(gpu_ids) != len(hashes):
-            raise ValueError(f"{what}: {len(hashes)} keys but {len(gpu_ids)} gpu_block_ids")
-        if len(set(gpu_ids)) != len(gpu_ids):
-            raise ValueError(f"{what}: gpu_block_ids repeat a block")
-        for h in hashes:
-            if not h or "/" in h:
-                raise ValueError(f"{what}: key {h!r} must be a non-empty block hash without '/'")
 
     def _block_bytes(self) -> int:
         return sum(g.object_bytes for g in self.groups)
@@ -238,8 +211,7 @@ class StorageMover:
     def write(self, task: WriteStorageTask, deadline: float | None = None) -> Outcome:
         """Store the blocks; the value is the gpu ids of the leading run now stored."""
         deadline = time.monotonic() + task.timeout if deadline is None else deadline
-        self._check_ids(task.gpu_block_ids, task.keys, "write")
-        self._check_device_ids(task.gpu_block_ids)
+        check_block_ids(task.gpu_block_ids, task.keys, self.device_blocks, "write")
         stored = self._present(task.keys, deadline, "write")
         total, written, late = stored, 0, None
         for start in range(stored, len(task.keys), self.max_blocks):
@@ -287,7 +259,7 @@ class StorageMover:
         res, _ = self._wait(future, deadline, what)  # a late call only reads its own snapshot
         if res is None:
             return _Chunk()
-        return _Chunk(_leading(self._per_block([r == 0 for r in res], len(hashes))))
+        return _Chunk(leading(self._per_block([r == 0 for r in res], len(hashes))))
 
     def _finish_direct(self, future: Future | None, deadline: float, what: str,
                        ok: Callable[[list[int]], list[bool]], n: int) -> _Chunk:
@@ -299,17 +271,14 @@ class StorageMover:
             return _Chunk(still_running=future)
         if res is None:
             return _Chunk()
-        return _Chunk(_leading(self._per_block(ok(res), n)))
+        return _Chunk(leading(self._per_block(ok(res), n)))
 
     # ------------------------------------------------------------------ read
     def read(self, task: ReadStorageTask, deadline: float | None = None) -> Outcome:
         """Load the leading run of present blocks; the value is their gpu ids."""
         deadline = time.monotonic() + task.timeout if deadline is None else deadline
-        if task.start_read_block_idx > len(task.keys):
-            raise ValueError(f"start_read_block_idx {task.start_read_block_idx} is past the {len(task.keys)} keys")
-        hashes = task.keys[task.start_read_block_idx:]
-        self._check_ids(task.gpu_block_ids, hashes, "read")
-        self._check_device_ids(task.gpu_block_ids)
+        hashes = read_span(task.keys, task.start_read_block_idx)
+        check_block_ids(task.gpu_block_ids, hashes, self.device_blocks, "read")
         present = self._present(hashes, deadline, "read")
         loaded, late = 0, None
         for start in range(0, present, self.max_blocks):
@@ -352,7 +321,7 @@ class StorageMover:
             future.add_done_callback(lambda _f: self._staging["read"].put(buf))
             return _Chunk()
         try:
-            loaded = _leading(self._per_block(full(res), len(hashes))) if res is not None else 0
+            loaded = leading(self._per_block(full(res), len(hashes))) if res is not None else 0
             if loaded and time.monotonic() >= deadline:
                 self.log.error("storage %s finished after its deadline: nothing scattered", what)
                 loaded = 0
@@ -362,12 +331,6 @@ class StorageMover:
         finally:
             self._staging["read"].put(buf)
         return _Chunk(loaded)
-
-    def _check_device_ids(self, gpu_ids: Sequence[int]) -> None:
-        limit = self.device_blocks
-        for i, gid in enumerate(gpu_ids):
-            if not 0 <= gid < limit:
-                raise ValueError(f"device block id {gid} at position {i} is out of range [0, {limit})")
 
     def close(self, timeout: float = 5.0, close_backend: bool = True) -> None:
         """Stop the I/O threads and (unless told not to) close the backend, waiting at most
@@ -379,69 +342,8 @@ class StorageMover:
                 for ptr in buf.ptrs:
                     self.platform.host_free(ptr)
             self._all_staging.clear()
-        if not close_backend:
-            return
-        closer = threading.Thread(target=self.backend.close, name="storage-close", daemon=True)
-        closer.start()
-        closer.join(timeout)
-        if closer.is_alive():
-            self.log.error("storage backend %s did not close within %.0fs", self.backend.name, timeout)
-
-
-class _IOThread:
-    """A single daemon worker with a bounded backlog: a backend call that never returns must not
-    keep the process alive, and calls queued behind it must neither pile up nor start late."""
-
-    def __init__(self, name: str, backlog: int):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._backlog = backlog
-        self._queued = 0
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], Any], deadline: float) -> Future:
-        with self._lock:
-            if self._queued >= self._backlog:
-                raise StorageBusy(f"{self._queued} backend calls already wait on {self._thread.name}")
-            self._queued += 1
-        future: Future = Future()
-        self._queue.put((fn, future, deadline))
-        return future
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fn, future, deadline = item
-            with self._lock:
-                self._queued -= 1
-            if time.monotonic() >= deadline:
-                future.cancel()  # its task has answered: starting now would act on what it no longer owns
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # the task's thread reports it; this thread lives on
-                future.set_exception(exc)
-
-    def stop(self, timeout: float) -> bool:
-        """Ask the worker to finish; True if it did within ``timeout``."""
-        self._queue.put(None)
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-
-def _leading(ok: Sequence[bool] | None) -> int:
-    if not ok:
-        return 0
-    n = 0
-    for flag in ok:
-        if not flag:
-            break
-        n += 1
-    return n
+        if close_backend:
+            close_backend_within(self.backend, timeout, self.log)
 
 
 def staging_blocks(max_model_len: int, block_size: int) -> int:
