@@ -41,7 +41,7 @@ import numpy as np
 import ops
 from ops.procs import pid_alive
 from ops.shm import SharedMemorySegment, unlink_segments
-from transfer_factory import StorageConfigError, backend_names, create_storage_backend
+from transfer_factory import StorageAccess, StorageConfigError, backend_names, create_storage_backend
 from transfer_factory.keys import Namespace
 
 from .cache_spec import CacheSpec
@@ -61,6 +61,7 @@ from .cache_tasks import (ControlTask, Outcome, RankResult, ReadStorageTask, Swa
                           task_from_wire)
 from .task_scheduler import TaskScheduler
 from .engine_cache_queue import EngineCacheQueueClient
+from .device_storage_mover import DeviceStorageMover
 from .storage_mover import TRANSFER_MODES, StorageMover, staging_blocks
 from .ipc_signal import IPCSignal, signal_segment_name
 
@@ -245,7 +246,7 @@ class CacheTransferManager:
         self.signals: dict[str, IPCSignal] = {}
         self.pools: dict[str, ThreadPoolExecutor] = {}
         self.queue: EngineCacheQueueClient | None = None
-        self.storage: StorageMover | None = None
+        self.storage: StorageMover | DeviceStorageMover | None = None
         self.scheduler: TaskScheduler | None = None
         self.recv_seq = 0
         self.exit_timeout = float(os.environ.get(EXIT_TIMEOUT_ENV, "30"))
@@ -314,11 +315,18 @@ class CacheTransferManager:
             return
         backend = create_storage_backend(a.kvcache_storage_backend, namespace=str(self.namespace()), rank=self.rank,
                                          options=a.storage_options)
+        groups = [(g.kind, g.tensors) for g in self.groups]
+        block_size = a.key_cache_shape[2]
         try:
-            self.storage = StorageMover(self.platform, backend, [(g.kind, g.tensors) for g in self.groups],
-                                        self.namespace(), self.rank, staging_blocks(a.max_model_len,
-                                                                                     a.key_cache_shape[2]),
-                                        a.storage_transfer, self.log)
+            if backend.access == StorageAccess.DEVICE_DIRECT:
+                if a.storage_transfer == "staged":
+                    raise StorageConfigError(f"--storage_transfer staged: {backend.name} moves device blocks itself "
+                                             f"and cannot stage")
+                self.storage = DeviceStorageMover(backend, groups, self.rank, a.mp_num, a.device_id, block_size,
+                                                  self.log)
+            else:
+                self.storage = StorageMover(self.platform, backend, groups, self.namespace(), self.rank,
+                                            staging_blocks(a.max_model_len, block_size), a.storage_transfer, self.log)
         except BaseException:
             backend.close()
             raise

@@ -71,7 +71,7 @@ def launch(rank: int, flags: dict[str, object], log_dir: str, env: dict[str, str
     os.makedirs(log_dir, exist_ok=True)
     stderr_path = os.path.join(log_dir, f"ctm_rank{rank}.stderr")
     child_env = {**os.environ, **env}
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, child_env.get("PYTHONPATH", "")) if p)
     with open(stderr_path, "wb") as err:
         popen = subprocess.Popen(argv, env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                  stderr=err, cwd=REPO_ROOT)

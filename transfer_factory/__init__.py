@@ -1,7 +1,9 @@
 """Storage backends behind one KVCacheStorage interface (DESIGN §2, §3.7).
 
 ``create_storage_backend(name, namespace=..., rank=..., options=...)`` picks a backend by
-name; an unknown name, or a backend whose SDK is missing, fails at once with a message.
+name; an unknown name, or a backend whose SDK is missing, fails at once with a message naming
+the missing module.  Object stores (``file``, ``mooncake``) are ``KVCacheStorage``s; backends
+that move device blocks themselves (``ems``, ``attention_store``) are ``DeviceKVStorage``s.
 More backends plug in without touching this package: ``CTM_STORAGE_PLUGINS`` lists
 ``name=module:Class`` pairs (comma-separated), each a ``KVCacheStorage`` taking the same
 keyword arguments; the CTM's ``--kvcache_storage_backend`` then accepts those names too.
@@ -12,19 +14,16 @@ import importlib
 import os
 from typing import Any, Mapping
 
+from .device_storage import Addressing, BlockSpan, DeviceKVStorage, RankCaches
 from .kvcache_storage import KVCacheStorage, StorageAccess, StorageConfigError
 
 _BACKENDS = {
     "file": "transfer_factory.file_store:FileStore",
     "mooncake": "transfer_factory.mooncake_store:MooncakeStore",
+    "attention_store": "transfer_factory.attention_store:AttentionStore",
+    "ems": "transfer_factory.ems_store:EmsStore",
 }
-# Accepted by the CTM's --kvcache_storage_backend for FastDeploy compatibility; their vendor
-# SDKs cannot be installed here, so asking for them fails with this reason.
-_UNAVAILABLE = {
-    "attention_store": "the AttentionStore SDK is not installed on this host",
-    "ems": "the Huawei EMS SDK is not installed on this host",
-}
-BACKEND_NAMES = tuple(_BACKENDS) + tuple(_UNAVAILABLE)
+BACKEND_NAMES = tuple(_BACKENDS)
 PLUGINS_ENV = "CTM_STORAGE_PLUGINS"
 
 
@@ -46,9 +45,8 @@ def backend_names(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
     return BACKEND_NAMES + tuple(n for n in plugin_backends(env) if n not in BACKEND_NAMES)
 
 
-def create_storage_backend(name: str, *, namespace: str, rank: int, options: dict[str, Any] | None = None) -> KVCacheStorage:
-    if name in _UNAVAILABLE:
-        raise StorageConfigError(f"storage backend {name!r} is unavailable: {_UNAVAILABLE[name]}")
+def create_storage_backend(name: str, *, namespace: str, rank: int,
+                           options: dict[str, Any] | None = None) -> KVCacheStorage | DeviceKVStorage:
     known = {**plugin_backends(), **_BACKENDS}
     if name not in known:
         raise StorageConfigError(f"unknown storage backend {name!r}; known: {', '.join(backend_names())}")
@@ -56,4 +54,5 @@ def create_storage_backend(name: str, *, namespace: str, rank: int, options: dic
     return getattr(importlib.import_module(module), cls)(namespace=namespace, rank=rank, options=options or {})
 
 
-__all__ = ["BACKEND_NAMES", "backend_names", "plugin_backends", "KVCacheStorage", "StorageAccess", "StorageConfigError", "create_storage_backend"]
+__all__ = ["BACKEND_NAMES", "backend_names", "plugin_backends", "KVCacheStorage", "DeviceKVStorage", "Addressing",
+           "BlockSpan", "RankCaches", "StorageAccess", "StorageConfigError", "create_storage_backend"]
