@@ -1,0 +1,1 @@
+"""Generated-API package of the AttentionStore SDK contract stand-in (tests only)."""

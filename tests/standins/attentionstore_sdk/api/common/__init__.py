@@ -1,0 +1,1 @@
+"""Common protobuf definitions of the AttentionStore SDK contract stand-in (tests only)."""
