@@ -70,14 +70,19 @@ def test_round_trip_is_bit_exact_with_every_cache_kind_and_extra_layers(svc, har
     equal(block_bytes(svc, dst), want)
 
 
-def test_a_block_missing_on_one_rank_cuts_the_read_at_the_minimum_over_ranks(svc, harness):
-    fill_distinct(svc, seed=2)
-    tokens, keys = prefix(svc, 4, seed=2)
+def spoil_block_2_of_rank_1(svc, seed: int, spoil) -> None:
+    """Store 4 blocks, ``spoil`` block 2 on rank 1 only; a read loads blocks 0 and 1, bit-exact."""
+    fill_distinct(svc, seed=seed)
+    tokens, keys = prefix(svc, 4, seed=seed)
     want = block_bytes(svc, [0, 1])
     assert svc.write_storage(keys, [0, 1, 2, 3], token_ids=tokens).result(timeout=30) == [0, 1, 2, 3]
-    harness.drop(svc, keys, tokens, block=2, rank=1)
+    spoil(svc, keys, tokens, block=2, rank=1)
     assert svc.read_storage(keys, [8, 9, 10, 11], token_ids=tokens).result(timeout=30) == [8, 9]
     equal(block_bytes(svc, [8, 9]), want)
+
+
+def test_a_block_missing_on_one_rank_cuts_the_read_at_the_minimum_over_ranks(svc, harness):
+    spoil_block_2_of_rank_1(svc, 2, harness.drop)
 
 
 def test_a_write_skips_the_prefix_already_stored(svc):
@@ -120,13 +125,7 @@ def test_two_models_and_two_tp_layouts_never_see_each_others_blocks(svc, harness
 
 def test_a_damaged_object_is_a_miss(svc, harness):
     unless(harness, "damage")
-    fill_distinct(svc, seed=6)
-    tokens, keys = prefix(svc, 4, seed=6)
-    want = block_bytes(svc, [0, 1])
-    assert svc.write_storage(keys, [0, 1, 2, 3], token_ids=tokens).result(timeout=30) == [0, 1, 2, 3]
-    harness.damage(svc, keys, tokens, block=2, rank=1)
-    assert svc.read_storage(keys, [8, 9, 10, 11], token_ids=tokens).result(timeout=30) == [8, 9]
-    equal(block_bytes(svc, [8, 9]), want)
+    spoil_block_2_of_rank_1(svc, 6, harness.damage)
 
 
 def test_a_failing_backend_gives_zero_blocks_in_time_swaps_go_on_and_it_recovers(svc, harness):
