@@ -34,7 +34,6 @@ deadlines, watches the processes and writes the heartbeat signal.
 from __future__ import annotations
 
 import atexit
-import itertools
 import json
 import logging
 import os
@@ -43,7 +42,6 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -58,14 +56,14 @@ from cache_manager.cache_data import (
     WORKER_HEALTHY_LIVE_SIGNAL,
     CacheStatus,
 )
-from cache_manager.cache_tasks import RankResult
 from cache_manager.engine_cache_queue import EngineCacheQueueServer
 from cache_manager.ipc_signal import IPCSignal
 from ops.shm import unlink_segments
 
 from .device_caches import CacheSpec, DeviceCaches
-from .errors import RankDiedError, ServiceClosed, StartupError, TaskFailedError, TaskTimeoutError
+from .errors import ServiceClosed, StartupError
 from .launcher import RankProcess, launch
+from .task_tracker import TaskTracker, new_future
 
 if TYPE_CHECKING:
     from transfer_factory.keys import Namespace
@@ -93,26 +91,6 @@ def _id_list(ids: Any, what: str) -> list[int]:
             raise ValueError(f"{what}: block id {v!r} is not an integer")
         out.append(int(v))
     return out
-
-
-@dataclass
-class _Pending:
-    task: dict
-    future: Future
-    deadline: float
-    timeout: float
-    unreleased: set[int]  # ranks that may still touch the task's blocks
-    results: dict[int, RankResult] = field(default_factory=dict)
-    submitted: float = field(default_factory=time.perf_counter)
-
-
-def _new_future(released: bool = False) -> Future:
-    future: Future = Future()
-    future.set_running_or_notify_cancel()
-    future.released = Future()  # type: ignore[attr-defined]
-    if released:
-        future.released.set_result(None)  # type: ignore[attr-defined]
-    return future
 
 
 def default_log_dir() -> str:
@@ -187,19 +165,14 @@ class CacheTransferService:
         self.signals: dict[str, IPCSignal] = {}
         self.server: EngineCacheQueueServer | None = None
         self.procs: dict[int, RankProcess] = {}
-        self._dead: dict[int, str] = {}
         self._secret = wire.new_secret()
-        self._pending: dict[str, _Pending] = {}
-        self._unreleased: dict[str, _Pending] = {}  # failed or timed out, some rank not yet released
+        self.tracker = TaskTracker(tp)  # every task in flight, its future and its release
         self.supervisor_errors = 0
-        self._lock = threading.Lock()
-        self._ids = itertools.count()
+        self._shutdown_lock = threading.Lock()
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._closed = False
         self._started = False
-        self.latencies_ms: list[float] = []  # every completed task, submit to last rank's answer
-        self.task_intervals: list[tuple[float, float]] = []  # (submitted, completed), perf_counter seconds
 
     # ------------------------------------------------------------------ start
     def __enter__(self) -> "CacheTransferService":
@@ -221,7 +194,7 @@ class CacheTransferService:
                 self.caches.create_rank(rank)
                 self.signals[CACHE_READY_SIGNAL].value[rank] = 1
             self.server = EngineCacheQueueServer(self.tp, self._secret, host=self.pod_ip, port=self.cache_queue_port,
-                                                 on_result=self._on_result)
+                                                 on_result=self.tracker.on_result)
             self.cache_queue_port = self.server.port
             self._beat()
             for rank in range(self.tp):
@@ -296,35 +269,15 @@ class CacheTransferService:
         own ``timeout`` to the ranks, which answer with 0 blocks when it passes, and the grace
         lets that answer arrive."""
         timeout = self.task_timeout if timeout is None else float(timeout)
-        if not timeout > 0:
-            raise ValueError(f"timeout {timeout!r} must be positive")
-        task = dict(task)
-        task.setdefault("task_id", f"t{next(self._ids)}")
-        now = time.monotonic()
-        task["deadline"] = now + timeout  # the ranks' deadline, on the clock every process of the host shares
-        with self._lock:
-            if self._closed or self.server is None:
-                future = _new_future(released=True)
-                future.set_exception(ServiceClosed("the CTM service is not running"))
-                return future
-            if task["task_id"] in self._pending or task["task_id"] in self._unreleased:
-                raise ValueError(f"task id {task['task_id']!r} is already pending")
-            dead = dict(self._dead)
-            if dead:
-                rank, detail = min(dead.items())
-                future = _new_future(released=True)
-                future.set_exception(RankDiedError(task["task_id"], rank, detail))
-                return future
-            future = _new_future()
-            self._pending[task["task_id"]] = _Pending(task, future, now + timeout + grace, timeout + grace,
-                                                      set(range(self.tp)))
-        unreachable = self.server.broadcast(task)
-        if unreachable:
-            with self._lock:
-                pending = self._pending.get(task["task_id"])
-                if pending is not None:
-                    pending.unreleased -= set(unreachable)  # it never reached them
-            self._fail_task(task["task_id"], RankDiedError(task["task_id"], unreachable[0], "is not connected to the queue"))
+        if self._closed or self.server is None:
+            future = new_future(released=True)
+            future.set_exception(ServiceClosed("the CTM service is not running"))
+            return future
+        task, future, send = self.tracker.begin(task, timeout, grace)
+        if send:
+            unreachable = self.server.broadcast(task)
+            if unreachable:
+                self.tracker.unreachable(task["task_id"], unreachable)
         return future
 
     def _swap(self, event: CacheStatus, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any,
@@ -375,79 +328,13 @@ class CacheTransferService:
         """A CTRL task (``ping``, ``sleep``); resolves to each rank's answer, in rank order."""
         return self.submit({"event_type": int(CacheStatus.CTRL), "command": command, "args": args}, timeout)
 
-    # ------------------------------------------------------------------ results (queue I/O thread)
-    def _on_result(self, result: RankResult) -> None:
-        with self._lock:
-            pending = self._pending.get(result.task_id)
-            if pending is None:
-                self._late_result_locked(result)  # the future failed already; the answer may release blocks
-                return
-            if result.released:
-                pending.unreleased.discard(result.rank)
-            if result.rank in pending.results:
-                return  # a release note after the rank's answer
-            pending.results[result.rank] = result
-            if len(pending.results) < self.tp:
-                return
-            del self._pending[result.task_id]
-            if pending.unreleased:
-                self._unreleased[result.task_id] = pending
-        if not pending.unreleased:
-            pending.future.released.set_result(None)
-        now = time.perf_counter()
-        self.latencies_ms.append((now - pending.submitted) * 1e3)
-        self.task_intervals.append((pending.submitted, now))
-        pending.future.rank_results = dict(sorted(pending.results.items()))  # type: ignore[attr-defined]
-        failures = {r: res.error or "failed" for r, res in pending.results.items() if not res.ok}
-        if failures:
-            pending.future.set_exception(TaskFailedError(result.task_id, failures))
-        else:
-            pending.future.set_result(self._aggregate(pending))
-
-    def _aggregate(self, pending: _Pending) -> Any:
-        task = pending.task
-        event = task.get("event_type")
-        if event in (CacheStatus.SWAP2CPU, CacheStatus.SWAP2GPU):
-            return (event, task["task_id"], task["swap_node_ids"], task["gpu_block_ids"], task["cpu_block_ids"])
-        if event in (CacheStatus.STORAGE2GPU, CacheStatus.GPU2STORAGE):
-            return min((pending.results[r].value for r in range(self.tp)), key=len)
-        return [pending.results[r].value for r in range(self.tp)]
-
-    def _fail_task(self, task_id: str, error: Exception) -> None:
-        with self._lock:
-            pending = self._pending.pop(task_id, None)
-            if pending is not None and pending.unreleased:
-                self._unreleased[task_id] = pending
-        if pending is not None:
-            pending.future.set_exception(error)
-            if not pending.unreleased:
-                pending.future.released.set_result(None)
-
-    def _late_result_locked(self, result: RankResult) -> None:
-        pending = self._unreleased.get(result.task_id)
-        if pending is None or not result.released:
-            return
-        pending.unreleased.discard(result.rank)
-        if not pending.unreleased:
-            del self._unreleased[result.task_id]
-            pending.future.released.set_result(None)
-
-    def _release_rank(self, rank: int) -> None:
-        """A dead or restarted rank touches nothing any more."""
-        done = []
-        with self._lock:
-            for task_id, pending in list(self._unreleased.items()):
-                pending.unreleased.discard(rank)
-                if not pending.unreleased:
-                    del self._unreleased[task_id]
-                    done.append(pending)
-        for pending in done:
-            pending.future.released.set_result(None)
+    @property
+    def latencies_ms(self) -> list[float]:
+        return self.tracker.latencies_ms
 
     def unreleased_tasks(self) -> dict[str, list[int]]:
         """Failed or timed-out tasks that some rank may still act on: task id -> those ranks."""
-        with self._lock:
-            return {tid: sorted(p.unreleased) for tid, p in self._unreleased.items()}
+        return self.tracker.unreleased_tasks()
 
     # ------------------------------------------------------------------ supervision
     def _beat(self) -> None:
@@ -479,9 +366,9 @@ class CacheTransferService:
             self.server.pump()  # registers task connections, drains anything else sent there
             last_beat = now
         for rank, proc in list(self.procs.items()):
-            if not proc.alive() and rank not in self._dead:
+            if not proc.alive() and not self.tracker.is_down(rank):
                 self._rank_died(rank, proc)
-        self._expire(now)
+        self.tracker.expire(now)
         return last_beat
 
     def _pidfds(self) -> dict[int, int]:
@@ -489,7 +376,7 @@ class CacheTransferService:
         if not hasattr(os, "pidfd_open"):
             return fds
         for rank, proc in list(self.procs.items()):
-            if rank in self._dead:
+            if self.tracker.is_down(rank):
                 continue
             try:
                 fds[os.pidfd_open(proc.pid)] = rank
@@ -501,32 +388,9 @@ class CacheTransferService:
         code = proc.popen.poll()
         detail = f"(pid {proc.pid}) died ({'signal ' + str(-code) if code is not None and code < 0 else f'exit code {code}'})"
         logger.error("CTM rank %d %s; failing every pending task", rank, detail)
-        with self._lock:
-            self._dead[rank] = detail
-            failed = list(self._pending.items())
-            self._pending.clear()
-            for task_id, pending in failed:
-                pending.unreleased.discard(rank)
-                if pending.unreleased:  # the live ranks may still be working on it
-                    self._unreleased[task_id] = pending
         if self.server is not None:
             self.server.forget_rank(rank)
-        for task_id, pending in failed:
-            pending.future.set_exception(RankDiedError(task_id, rank, detail))
-            if not pending.unreleased:
-                pending.future.released.set_result(None)
-        self._release_rank(rank)
-
-    def _expire(self, now: float) -> None:
-        with self._lock:
-            expired = [(tid, p) for tid, p in self._pending.items() if p.deadline <= now]
-            for tid, p in expired:
-                del self._pending[tid]
-                self._unreleased[tid] = p  # every rank that has not answered may still act on it
-        for tid, p in expired:
-            missing = sorted(set(range(self.tp)) - set(p.results))
-            p.future.rank_results = dict(sorted(p.results.items()))
-            p.future.set_exception(TaskTimeoutError(tid, missing, p.timeout))
+        self.tracker.rank_died(rank, detail)
 
     def restart_rank(self, rank: int) -> None:
         """Replace rank ``rank``'s CTM (dead or alive) with a fresh one; its host swap space starts empty."""
@@ -539,36 +403,26 @@ class CacheTransferService:
             self.server.forget_rank(rank)
         for name in (SWAP_SPACE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL):
             self.signals[name].value[rank] = 0
-        with self._lock:
-            self._dead[rank] = "is restarting"
+        self.tracker.mark_down(rank, "is restarting")
         # wait until the old connection is forgotten before the new one says hello
         deadline = time.monotonic() + 5.0
         while rank in self.server.registered_ranks() and time.monotonic() < deadline:
             time.sleep(0.01)
-        self._release_rank(rank)  # the old process is gone: it touches nothing any more
+        self.tracker.release_rank(rank)  # the old process is gone: it touches nothing any more
         self.procs[rank] = self._launch(rank)
         self._wait_ready([rank])
-        with self._lock:
-            self._dead.pop(rank, None)
+        self.tracker.mark_up(rank)
         logger.info("rank %d restarted as pid %d", rank, self.procs[rank].pid)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
         """Stop the CTMs, close the queue, unlink every segment.  Idempotent."""
-        with self._lock:
+        with self._shutdown_lock:
             if self._closed:
                 return
             self._closed = True
-            pending = list(self._pending.values())
-            self._pending.clear()
-            unreleased = list(self._unreleased.values())
-            self._unreleased.clear()
         atexit.unregister(self.shutdown)
-        for p in pending:
-            p.future.set_exception(ServiceClosed(f"task {p.task.get('task_id')} cancelled: the service shut down"))
-        for p in pending + unreleased:
-            if not p.future.released.done():
-                p.future.released.set_result(None)  # the caches are going away with the service
+        self.tracker.close()  # pending tasks fail; every block is released: the caches go away with the service
         self._stop.set()
         if self._supervisor is not None:
             self._supervisor.join(5.0)
@@ -590,13 +444,7 @@ class CacheTransferService:
     # ------------------------------------------------------------------ inspection
     def busy_seconds(self) -> float:
         """Wall time during which at least one task was in flight (overlapping tasks count once)."""
-        total, end = 0.0, float("-inf")
-        for start, stop in sorted(self.task_intervals):
-            if stop <= end:
-                continue
-            total += stop - max(start, end)
-            end = stop
-        return total
+        return self.tracker.busy_seconds()
 
     def namespace(self) -> "Namespace":
         """The storage namespace the CTMs key their objects under."""

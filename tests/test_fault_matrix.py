@@ -270,7 +270,7 @@ def _deadlines_still_fire(svc, rank: int) -> None:
 
 
 def test_an_exception_in_the_supervisor_does_not_stop_deadlines(svc, monkeypatch):
-    real = svc._expire
+    real = svc.tracker.expire
     calls = {"n": 0}
 
     def failing_once(now):
@@ -279,7 +279,7 @@ def test_an_exception_in_the_supervisor_does_not_stop_deadlines(svc, monkeypatch
             raise RuntimeError("injected supervisor fault")
         return real(now)
 
-    monkeypatch.setattr(svc, "_expire", failing_once)
+    monkeypatch.setattr(svc.tracker, "expire", failing_once)
     errors = svc.supervisor_errors
     _wait_for(lambda: svc.supervisor_errors > errors, 5, "the injected fault")
     assert svc._supervisor.is_alive()

@@ -1,0 +1,269 @@
+"""TaskTracker: the engine side of every task in flight, between submission and the last rank's answer.
+
+It owns the futures the engine holds and resolves them from the ranks' ``RankResult``s:
+
+* with the task's result (DESIGN §3.3) when every rank succeeded: a swap's tuple, for a storage
+  task the gpu block ids of the shortest (minimum over ranks) leading run;
+* with ``TaskFailedError`` naming each failing rank and its reason;
+* with ``TaskTimeoutError`` (``expire``) naming the ranks that did not answer in time;
+* with ``RankDiedError`` when a rank dies (``rank_died``), and at once for tasks submitted while a
+  rank is down.
+
+Two-phase completion (DESIGN §3.8): every future has ``released``, done once every rank has let
+go of the task's blocks (it answered with ``released``, died, or was restarted).  Until then a
+failed or timed-out task stays in ``unreleased_tasks()``.
+
+Observers (metrics) are called once per task with its outcome, after its future resolves; an
+observer that raises is logged and never disturbs the task.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from cache_manager.cache_data import CacheStatus
+from cache_manager.cache_tasks import RankResult
+
+from .errors import RankDiedError, ServiceClosed, TaskFailedError, TaskTimeoutError
+
+logger = logging.getLogger(__name__)
+
+OUTCOMES = ("ok", "failed", "timed_out", "rank_died", "closed")
+# observer(task, outcome, seconds from submission, the ranks' results so far)
+Observer = Callable[[dict, str, float, dict], None]
+
+
+@dataclass
+class Pending:
+    task: dict
+    future: Future
+    deadline: float
+    timeout: float
+    unreleased: set[int]  # ranks that may still touch the task's blocks
+    results: dict[int, RankResult] = field(default_factory=dict)
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+def new_future(released: bool = False) -> Future:
+    future: Future = Future()
+    future.set_running_or_notify_cancel()
+    future.released = Future()  # type: ignore[attr-defined]
+    if released:
+        future.released.set_result(None)  # type: ignore[attr-defined]
+    return future
+
+
+def aggregate(task: dict, results: dict[int, RankResult], tp: int) -> Any:
+    """The task's result from every rank's answer (DESIGN §3.3)."""
+    event = task.get("event_type")
+    if event in (CacheStatus.SWAP2CPU, CacheStatus.SWAP2GPU):
+        return (event, task["task_id"], task["swap_node_ids"], task["gpu_block_ids"], task["cpu_block_ids"])
+    if event in (CacheStatus.STORAGE2GPU, CacheStatus.GPU2STORAGE):
+        return min((results[r].value for r in range(tp)), key=len)
+    return [results[r].value for r in range(tp)]
+
+
+class TaskTracker:
+    def __init__(self, tp: int):
+        self.tp = tp
+        self.lock = threading.Lock()
+        self._pending: dict[str, Pending] = {}
+        self._unreleased: dict[str, Pending] = {}  # failed or timed out, some rank not yet released
+        self._dead: dict[int, str] = {}  # rank -> why it is down
+        self._ids = itertools.count()
+        self._closed = False
+        self.observers: list[Observer] = []
+        self.latencies_ms: list[float] = []  # every completed task, submit to last rank's answer
+        self.task_intervals: list[tuple[float, float]] = []  # (submitted, completed), perf_counter seconds
+
+    # ------------------------------------------------------------------ submission
+    def begin(self, task: dict, timeout: float, grace: float = 0.0) -> tuple[dict, Future, bool]:
+        """Stamp ``task`` (id, deadline) and track it.  Returns (the task, its future, whether it
+        should be sent): a closed tracker or a dead rank fails the future at once."""
+        if not timeout > 0:
+            raise ValueError(f"timeout {timeout!r} must be positive")
+        task = dict(task)
+        task.setdefault("task_id", f"t{next(self._ids)}")
+        now = time.monotonic()
+        task["deadline"] = now + timeout  # the ranks' deadline, on the clock every process of the host shares
+        with self.lock:
+            if self._closed:
+                future = new_future(released=True)
+                future.set_exception(ServiceClosed("the CTM service is not running"))
+                return task, future, False
+            if task["task_id"] in self._pending or task["task_id"] in self._unreleased:
+                raise ValueError(f"task id {task['task_id']!r} is already pending")
+            down = min(self._dead.items()) if self._dead else None
+            if down is None:
+                future = new_future()
+                self._pending[task["task_id"]] = Pending(task, future, now + timeout + grace, timeout + grace,
+                                                         set(range(self.tp)))
+                return task, future, True
+        future = new_future(released=True)
+        future.set_exception(RankDiedError(task["task_id"], *down))
+        self._notify(task, "rank_died", 0.0, {})
+        return task, future, False
+
+    def unreachable(self, task_id: str, ranks: list[int]) -> None:
+        """The task never reached ``ranks``: they hold nothing of it, and it fails."""
+        with self.lock:
+            pending = self._pending.get(task_id)
+            if pending is not None:
+                pending.unreleased -= set(ranks)
+        self.fail(task_id, RankDiedError(task_id, ranks[0], "is not connected to the queue"), "rank_died")
+
+    # ------------------------------------------------------------------ results
+    def on_result(self, result: RankResult) -> None:
+        with self.lock:
+            pending = self._pending.get(result.task_id)
+            if pending is None:
+                self._late_result_locked(result)  # the future failed already; the answer may release blocks
+                return
+            if result.released:
+                pending.unreleased.discard(result.rank)
+            if result.rank in pending.results:
+                return  # a release note after the rank's answer
+            pending.results[result.rank] = result
+            if len(pending.results) < self.tp:
+                return
+            del self._pending[result.task_id]
+            if pending.unreleased:
+                self._unreleased[result.task_id] = pending
+        if not pending.unreleased:
+            pending.future.released.set_result(None)
+        now = time.perf_counter()
+        self.latencies_ms.append((now - pending.submitted) * 1e3)
+        self.task_intervals.append((pending.submitted, now))
+        pending.future.rank_results = dict(sorted(pending.results.items()))  # type: ignore[attr-defined]
+        failures = {r: res.error or "failed" for r, res in pending.results.items() if not res.ok}
+        if failures:
+            pending.future.set_exception(TaskFailedError(result.task_id, failures))
+        else:
+            pending.future.set_result(aggregate(pending.task, pending.results, self.tp))
+        self._notify(pending.task, "failed" if failures else "ok", now - pending.submitted, pending.results)
+
+    def _late_result_locked(self, result: RankResult) -> None:
+        pending = self._unreleased.get(result.task_id)
+        if pending is None or not result.released:
+            return
+        pending.unreleased.discard(result.rank)
+        if not pending.unreleased:
+            del self._unreleased[result.task_id]
+            pending.future.released.set_result(None)
+
+    def fail(self, task_id: str, error: Exception, outcome: str = "failed") -> None:
+        with self.lock:
+            pending = self._pending.pop(task_id, None)
+            if pending is not None and pending.unreleased:
+                self._unreleased[task_id] = pending
+        if pending is not None:
+            pending.future.set_exception(error)
+            if not pending.unreleased:
+                pending.future.released.set_result(None)
+            self._notify(pending.task, outcome, time.perf_counter() - pending.submitted, pending.results)
+
+    def expire(self, now: float) -> None:
+        """Fail every task whose deadline (plus grace) has passed, naming the ranks that did not answer."""
+        with self.lock:
+            expired = [(tid, p) for tid, p in self._pending.items() if p.deadline <= now]
+            for tid, p in expired:
+                del self._pending[tid]
+                self._unreleased[tid] = p  # every rank that has not answered may still act on it
+        for tid, p in expired:
+            missing = sorted(set(range(self.tp)) - set(p.results))
+            p.future.rank_results = dict(sorted(p.results.items()))
+            p.future.set_exception(TaskTimeoutError(tid, missing, p.timeout))
+            self._notify(p.task, "timed_out", time.perf_counter() - p.submitted, p.results)
+
+    # ------------------------------------------------------------------ ranks
+    def rank_died(self, rank: int, detail: str) -> None:
+        """Fail every pending task; the dead rank holds nothing any more."""
+        with self.lock:
+            self._dead[rank] = detail
+            failed = list(self._pending.items())
+            self._pending.clear()
+            for task_id, pending in failed:
+                pending.unreleased.discard(rank)
+                if pending.unreleased:  # the live ranks may still be working on it
+                    self._unreleased[task_id] = pending
+        for task_id, pending in failed:
+            pending.future.set_exception(RankDiedError(task_id, rank, detail))
+            if not pending.unreleased:
+                pending.future.released.set_result(None)
+            self._notify(pending.task, "rank_died", time.perf_counter() - pending.submitted, pending.results)
+        self.release_rank(rank)
+
+    def mark_down(self, rank: int, detail: str) -> None:
+        with self.lock:
+            self._dead[rank] = detail
+
+    def mark_up(self, rank: int) -> None:
+        with self.lock:
+            self._dead.pop(rank, None)
+
+    def is_down(self, rank: int) -> bool:
+        with self.lock:
+            return rank in self._dead
+
+    def ranks_up(self) -> int:
+        with self.lock:
+            return self.tp - len(self._dead)
+
+    def release_rank(self, rank: int) -> None:
+        """A dead or restarted rank touches nothing any more."""
+        done = []
+        with self.lock:
+            for task_id, pending in list(self._unreleased.items()):
+                pending.unreleased.discard(rank)
+                if not pending.unreleased:
+                    del self._unreleased[task_id]
+                    done.append(pending)
+        for pending in done:
+            pending.future.released.set_result(None)
+
+    # ------------------------------------------------------------------ shutdown and inspection
+    def close(self) -> None:
+        """Fail every pending task with ``ServiceClosed`` and release everything: the caches go away."""
+        with self.lock:
+            self._closed = True
+            pending = list(self._pending.values())
+            self._pending.clear()
+            unreleased = list(self._unreleased.values())
+            self._unreleased.clear()
+        for p in pending:
+            p.future.set_exception(ServiceClosed(f"task {p.task.get('task_id')} cancelled: the service shut down"))
+            self._notify(p.task, "closed", time.perf_counter() - p.submitted, p.results)
+        for p in pending + unreleased:
+            if not p.future.released.done():
+                p.future.released.set_result(None)
+
+    def unreleased_tasks(self) -> dict[str, list[int]]:
+        """Failed or timed-out tasks that some rank may still act on: task id -> those ranks."""
+        with self.lock:
+            return {tid: sorted(p.unreleased) for tid, p in self._unreleased.items()}
+
+    def in_flight(self) -> int:
+        with self.lock:
+            return len(self._pending)
+
+    def busy_seconds(self) -> float:
+        """Wall time during which at least one task was in flight (overlapping tasks count once)."""
+        total, end = 0.0, float("-inf")
+        for start, stop in sorted(self.task_intervals):
+            if stop <= end:
+                continue
+            total += stop - max(start, end)
+            end = stop
+        return total
+
+    def _notify(self, task: dict, outcome: str, seconds: float, results: dict) -> None:
+        for observer in self.observers:
+            try:
+                observer(task, outcome, seconds, results)
+            except Exception:
+                logger.exception("task observer failed for %s", task.get("task_id"))
