@@ -60,12 +60,14 @@ from .cache_data import (
 from .cache_tasks import (ControlTask, Outcome, RankResult, ReadStorageTask, SwapTask, TaskFormatError, task_deadline,
                           task_from_wire)
 from .task_scheduler import TaskScheduler
+from .kv_cache_lifecycle import KvCacheLifecycle
 from .engine_cache_queue import EngineCacheQueueClient
 from .device_storage_mover import DeviceStorageMover
 from .storage_mover import TRANSFER_MODES, StorageMover, staging_blocks
 from .ipc_signal import IPCSignal, signal_segment_name
 
 CACHE_DTYPES = ("uint8", "bfloat16", "block_wise_fp8")
+IDLE_POLL_MS = 250  # an idle rank wakes this often to look at kv_cache_status and the engine
 EXIT_TIMEOUT_ENV = "FD_CACHE_PROC_EXIT_TIMEOUT"
 
 
@@ -255,6 +257,7 @@ class CacheTransferManager:
         self._beat_value: int | None = None
         self._beat_seen = time.monotonic()
         self._beat_stale_logged = False
+        self.lifecycle = KvCacheLifecycle(self)  # RL weight updates: clear and restore the caches
 
     # -- start-up -------------------------------------------------------------
     def _attach_signal(self, name: str, shape: int) -> IPCSignal:
@@ -343,6 +346,10 @@ class CacheTransferManager:
             self._attach_signal(WORKER_HEALTHY_LIVE_SIGNAL, 1)
         except FileNotFoundError:
             self.log.warning("no %s signal: watching the engine process only", WORKER_HEALTHY_LIVE_SIGNAL)
+        try:
+            self._attach_signal(KV_CACHE_STATUS_SIGNAL, 1)
+        except FileNotFoundError:
+            self.log.warning("no %s signal: RL cache clearing is off", KV_CACHE_STATUS_SIGNAL)
         self.queue = EngineCacheQueueClient(self.rank, a.mp_num, wire.load_secret(),
                                             f"tcp://{a.pod_ip}:{a.cache_queue_port}", hello_timeout=a.attach_timeout)
         init = lambda: self.platform.set_device(a.device_id)  # noqa: E731  (device binding is per thread)
@@ -398,6 +405,7 @@ class CacheTransferManager:
                 for wire_task in self.queue.poll(self._poll_ms()):
                     self._dispatch(wire_task)
                 self.scheduler.expire_waiting()
+                self.lifecycle.step()
             except Exception:  # one bad iteration must not end the serve loop
                 self.log.exception("serve loop iteration failed; serving on")
             now = time.monotonic()
@@ -408,8 +416,8 @@ class CacheTransferManager:
     def _poll_ms(self) -> int:
         soonest = self.scheduler.next_deadline() if self.scheduler else None
         if soonest is None:
-            return 1000
-        return max(1, min(1000, int((soonest - time.monotonic()) * 1000) + 1))
+            return IDLE_POLL_MS
+        return max(1, min(IDLE_POLL_MS, int((soonest - time.monotonic()) * 1000) + 1))
 
     def _dispatch(self, wire_task: dict) -> None:
         seq = self.recv_seq
@@ -419,6 +427,9 @@ class CacheTransferManager:
         try:
             task = task_from_wire(wire_task)
             deadline = task_deadline(wire_task)
+            refusal = self.lifecycle.refusal()
+            if refusal is not None:
+                raise TaskFormatError(refusal)
         except TaskFormatError as exc:
             self.log.error("task %s refused: %s", task_id, exc)
             self.queue.send_result(RankResult(task_id, self.rank, False, error=str(exc), recv_seq=seq))

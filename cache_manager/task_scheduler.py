@@ -63,12 +63,14 @@ class TaskScheduler:
         self._waiting: set[_Entry] = set()
         self._deadlines: list[tuple[float, int, _Entry]] = []  # heap over waiting tasks; stale heads are skipped
         self.dropped = 0  # tasks answered without being started (deadline passed)
+        self._active = 0  # tasks submitted and not finished (waiting, running, or held by a late I/O)
 
     # ------------------------------------------------------------------ intake (serve thread)
     def submit(self, task_id: str, seq: int, pool: str, resources: Iterable[Resource], deadline: float | None,
                fn: Callable[[], Any], drop_value: Any = FAIL) -> None:
         entry = _Entry(task_id, seq, pool, fn, frozenset(resources), deadline, drop_value)
         with self._lock:
+            self._active += 1
             blockers = {self._last[r] for r in entry.resources if r in self._last}
             blockers = {b for b in blockers if not b.done.done()}
             for r in entry.resources:
@@ -104,6 +106,11 @@ class TaskScheduler:
     def pending(self) -> int:
         with self._lock:
             return len(self._waiting)
+
+    def active(self) -> int:
+        """Tasks not finished: waiting, running, or holding their blocks for a late I/O."""
+        with self._lock:
+            return self._active
 
     # ------------------------------------------------------------------ internals
     def _unblock(self, entry: _Entry) -> None:
@@ -178,6 +185,7 @@ class TaskScheduler:
 
     def _finish(self, entry: _Entry) -> None:
         with self._lock:
+            self._active -= 1
             for r in entry.resources:
                 if self._last.get(r) is entry:
                     del self._last[r]

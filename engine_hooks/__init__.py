@@ -2,6 +2,8 @@
 from .device_caches import CacheSpec
 from .errors import (
     CacheServiceError,
+    CachesClearedError,
+    CacheUpdateError,
     RankDiedError,
     ServiceClosed,
     StartupError,
@@ -11,6 +13,6 @@ from .errors import (
 from .service import CacheTransferService
 
 __all__ = [
-    "CacheSpec", "CacheTransferService", "CacheServiceError", "RankDiedError", "ServiceClosed", "StartupError",
+    "CacheSpec", "CacheTransferService", "CacheServiceError", "CachesClearedError", "CacheUpdateError", "RankDiedError", "ServiceClosed", "StartupError",
     "TaskFailedError", "TaskTimeoutError",
 ]

@@ -36,3 +36,11 @@ class RankDiedError(CacheServiceError):
         self.task_id = task_id
         self.rank = rank
         super().__init__(f"task {task_id} failed: rank {rank} {detail}")
+
+
+class CachesClearedError(CacheServiceError):
+    """The KV caches are cleared for a weight update (``kv_cache_status`` is not NORMAL)."""
+
+
+class CacheUpdateError(CacheServiceError):
+    """``clear_caches`` or ``restore_caches`` could not complete: the message names the ranks and why."""

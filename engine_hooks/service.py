@@ -55,13 +55,14 @@ from cache_manager.cache_data import (
     SWAP_SPACE_READY_SIGNAL,
     WORKER_HEALTHY_LIVE_SIGNAL,
     CacheStatus,
+    KVCacheStatus,
 )
 from cache_manager.engine_cache_queue import EngineCacheQueueServer
 from cache_manager.ipc_signal import IPCSignal
 from ops.shm import unlink_segments
 
 from .device_caches import CacheSpec, DeviceCaches
-from .errors import ServiceClosed, StartupError
+from .errors import CachesClearedError, ServiceClosed, StartupError
 from .launcher import RankProcess, launch
 from .task_tracker import TaskTracker, new_future
 
@@ -273,6 +274,12 @@ class CacheTransferService:
             future = new_future(released=True)
             future.set_exception(ServiceClosed("the CTM service is not running"))
             return future
+        if int(self.signals[KV_CACHE_STATUS_SIGNAL].value[0]) != KVCacheStatus.NORMAL:
+            future = new_future(released=True)
+            future.set_exception(CachesClearedError(
+                f"the KV caches are cleared for a weight update (kv_cache_status "
+                f"{KVCacheStatus(int(self.signals[KV_CACHE_STATUS_SIGNAL].value[0])).name}): restore_caches() first"))
+            return future
         task, future, send = self.tracker.begin(task, timeout, grace)
         if send:
             unreachable = self.server.broadcast(task)
@@ -413,6 +420,19 @@ class CacheTransferService:
         self._wait_ready([rank])
         self.tracker.mark_up(rank)
         logger.info("rank %d restarted as pid %d", rank, self.procs[rank].pid)
+
+    # ------------------------------------------------------------------ RL weight updates
+    def clear_caches(self, timeout: float = 60.0) -> None:
+        """Drain and detach every rank, then free the device caches (``kv_cache_control``)."""
+        from .kv_cache_control import clear_caches
+
+        clear_caches(self, timeout)
+
+    def restore_caches(self, timeout: float = 120.0) -> None:
+        """Re-create the caches and have every rank re-attach under the new model version."""
+        from .kv_cache_control import restore_caches
+
+        restore_caches(self, timeout)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:

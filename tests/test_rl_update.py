@@ -1,0 +1,110 @@
+"""RL weight updates through kv_cache_status (DESIGN §3.9) at TP=2 with real CTMs: clear, restore, and
+KV from the old weights never served after the update; with file and Mooncake storage."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine_hooks import CachesClearedError, CacheUpdateError, RankDiedError
+from cache_manager.cache_data import KV_CACHE_STATUS_SIGNAL, KVCacheStatus
+from cache_manager.kv_cache_lifecycle import key_prefix_from_version
+from tests.service_helpers import SMALL, block_bytes, fill_distinct, segments_of, start_service, views
+from transfer_factory.keys import chain_hash_ids
+
+
+def set_version(model_dir, version: str) -> None:
+    (model_dir / "version.yaml").write_text(f"# written by the RL trainer\nversion: {version}\n")
+
+
+@pytest.fixture(params=["file", "mooncake"])
+def storage(request, tmp_path):
+    if request.param == "file":
+        yield "file", {"root": str(tmp_path / "kv"), "fsync": False}
+        return
+    from transfer_factory.mooncake_master import LocalMooncakeMaster
+
+    with LocalMooncakeMaster(log_dir=str(tmp_path)) as master:
+        yield "mooncake", {**master.config(), "global_segment_size": 64 << 20, "local_buffer_size": 16 << 20}
+
+
+def test_the_version_prefix_follows_fastdeploy(tmp_path):
+    set_version(tmp_path, "RL-STEP12-20251103-9b1c2d3e-aaaa")
+    assert key_prefix_from_version(str(tmp_path)) == "RL-STEP12"
+    (tmp_path / "version.yaml").write_text("other: 1\n")
+    with pytest.raises(ValueError, match="no 'version:' entry"):
+        key_prefix_from_version(str(tmp_path))
+    with pytest.raises(ValueError, match="version.yaml"):
+        key_prefix_from_version(str(tmp_path / "missing"))
+
+
+def test_clear_and_restore_never_serve_kv_of_the_old_weights(storage, tmp_path, monkeypatch):
+    backend, options = storage
+    monkeypatch.setenv("FD_ENABLE_SWAP_SPACE_CLEARING", "1")  # the CTMs inherit it: swap space freed and rebuilt
+    model = tmp_path / "model"
+    model.mkdir()
+    set_version(model, "RL-STEP1-20251103-aaaa")
+    svc = start_service(SMALL, storage_backend=backend, storage_options=options, model_id=str(model),
+                        model_version="RL-STEP1")
+    port = svc.port
+    try:
+        fill_distinct(svc, seed=1)
+        old_keys = chain_hash_ids([f"old-{i}" for i in range(3)])
+        assert svc.write_storage(old_keys, [0, 1, 2]).result(timeout=30) == [0, 1, 2]
+        assert svc.swap_to_cpu([3], [0]).result(timeout=30)
+        in_flight = svc.control("sleep", seconds=1.0, rank=1)  # a task the clear must drain, not drop
+        time.sleep(0.3)  # let it start on rank 1
+
+        svc.clear_caches(timeout=30)
+        assert in_flight.result(timeout=5) == [None, None]  # it finished; nothing hangs
+        assert svc.signals[KV_CACHE_STATUS_SIGNAL].value[0] == KVCacheStatus.CLEARED
+        assert not [n for n in segments_of(port) if ".key_caches_" in n or ".value_caches_" in n]  # KV memory freed
+        with pytest.raises(CachesClearedError, match="CLEARED"):
+            svc.swap_to_gpu([4], [0]).result(timeout=5)
+        with pytest.raises(CachesClearedError):
+            svc.read_storage(old_keys, [0, 1, 2]).result(timeout=5)
+
+        set_version(model, "RL-STEP2-20251104-bbbb")
+        svc.restore_caches(timeout=60)
+        assert svc.signals[KV_CACHE_STATUS_SIGNAL].value[0] == KVCacheStatus.NORMAL
+        assert svc.model_version == "RL-STEP2"
+        assert svc.read_storage(old_keys, [0, 1, 2]).result(timeout=30) == []  # old weights: a miss
+        fill_distinct(svc, seed=2)
+        new_keys = chain_hash_ids([f"new-{i}" for i in range(3)])
+        want = block_bytes(svc, [0, 1, 2])
+        assert svc.write_storage(new_keys, [0, 1, 2]).result(timeout=30) == [0, 1, 2]
+        for v in views(svc).values():
+            v[[5, 6, 7]] = 0
+        assert svc.read_storage(new_keys, [5, 6, 7]).result(timeout=30) == [5, 6, 7]
+        got = block_bytes(svc, [5, 6, 7])
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+        swapped = block_bytes(svc, [8])  # the rebuilt swap space works
+        assert svc.swap_to_cpu([8], [1]).result(timeout=30)
+        assert svc.swap_to_gpu([9], [1]).result(timeout=30)
+        got = block_bytes(svc, [9])
+        assert all(np.array_equal(got[k], swapped[k]) for k in swapped)
+    finally:
+        svc.shutdown()
+    assert segments_of(port) == []
+
+
+def test_a_rank_killed_while_clearing_fails_the_clear_instead_of_hanging_it(tmp_path):
+    svc = start_service(SMALL, storage_backend="file", storage_options={"root": str(tmp_path), "fsync": False})
+    port = svc.port
+    try:
+        hold = svc.control("sleep", seconds=5.0, rank=1)  # rank 1's clear waits for this task
+        pid = svc.pids()[1]
+        killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+        killer.start()
+        with pytest.raises(CacheUpdateError, match=r"rank\(s\) \[1\] died"):
+            svc.clear_caches(timeout=20)
+        killer.join()
+        with pytest.raises(RankDiedError):
+            hold.result(timeout=10)
+    finally:
+        svc.shutdown()
+    assert segments_of(port) == []
