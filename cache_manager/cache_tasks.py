@@ -150,6 +150,8 @@ class RankResult:
     # False when an I/O of this task still touches its blocks after the answer left (an answer in
     # time, a release later); a later result of the same task with released=True is that release.
     released: bool = True
+    storage_calls: int = 0  # backend calls this rank made for the task
+    storage_failures: int = 0  # of those, calls that raised, timed out or never started
 
 
 @dataclass
@@ -161,3 +163,5 @@ class Outcome:
     value: Any = None
     bytes_moved: int = 0
     still_running: Any = None  # concurrent.futures.Future | None
+    storage_calls: int = 0
+    storage_failures: int = 0

@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 from transfer_factory.device_storage import Addressing, BlockSpan, DeviceKVStorage, RankCaches
 
 from .cache_tasks import Outcome, ReadStorageTask, WriteStorageTask
-from .storage_io import (IO_BACKLOG, KIND_TAGS, IOThread, check_block_ids, close_backend_within, read_span, start_call,
-                         wait_call)
+from .storage_io import (IO_BACKLOG, KIND_TAGS, IOThread, begin_task_stats, check_block_ids, close_backend_within,
+                         read_span, start_call, wait_call)
 
 
 class DeviceStorageMover:
@@ -73,6 +73,7 @@ class DeviceStorageMover:
     # ------------------------------------------------------------------ tasks
     def write(self, task: WriteStorageTask, deadline: float | None = None) -> Outcome:
         deadline = time.monotonic() + task.timeout if deadline is None else deadline
+        stats = begin_task_stats()
         check_block_ids(task.gpu_block_ids, task.keys, self.device_blocks, "write")
         span = BlockSpan(task.keys, task.gpu_block_ids, 0, task.token_ids)
         self._check_tokens(span, "write")
@@ -81,10 +82,12 @@ class DeviceStorageMover:
         if stored < len(span) and time.monotonic() < deadline:
             rest = span.tail(stored)
             saved, late = self._call("write", self.backend.save, rest, deadline, f"write of {len(rest)} blocks")
-        return Outcome(list(task.gpu_block_ids[:stored + saved]), saved * self._block_bytes, late)
+        return Outcome(list(task.gpu_block_ids[:stored + saved]), saved * self._block_bytes, late, stats.calls,
+                       stats.failures)
 
     def read(self, task: ReadStorageTask, deadline: float | None = None) -> Outcome:
         deadline = time.monotonic() + task.timeout if deadline is None else deadline
+        stats = begin_task_stats()
         hashes = read_span(task.keys, task.start_read_block_idx)
         check_block_ids(task.gpu_block_ids, hashes, self.device_blocks, "read")
         span = BlockSpan(hashes, task.gpu_block_ids, task.start_read_block_idx, task.token_ids)
@@ -94,7 +97,8 @@ class DeviceStorageMover:
         if present and time.monotonic() < deadline:
             head = BlockSpan(span.hashes[:present], span.gpu_block_ids[:present], span.start_block, span.token_ids)
             loaded, late = self._call("read", self.backend.load, head, deadline, f"read of {present} blocks")
-        return Outcome(list(task.gpu_block_ids[:loaded]), loaded * self._block_bytes, late)
+        return Outcome(list(task.gpu_block_ids[:loaded]), loaded * self._block_bytes, late, stats.calls,
+                       stats.failures)
 
     def close(self, timeout: float = 5.0, close_backend: bool = True) -> None:
         """Stop the I/O threads and (unless told not to) close the backend, waiting at most

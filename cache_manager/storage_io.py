@@ -13,10 +13,34 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 IO_BACKLOG = 4  # backend calls queued per direction before new ones fail at once
 KIND_TAGS = {"key_caches": "k", "value_caches": "v", "key_cache_scales": "k_scale", "value_cache_scales": "v_scale"}
+
+
+@dataclass
+class CallStats:
+    """Backend calls one task made, and how many failed (raised, timed out, or never started);
+    the rank reports them in its result, so the engine counts them without a port on the CTM."""
+
+    calls: int = 0
+    failures: int = 0
+
+
+_stats = threading.local()  # each storage task runs on one pool thread from start to answer
+
+
+def begin_task_stats() -> CallStats:
+    """Start counting the calls of the task running on this thread."""
+    _stats.current = CallStats()
+    return _stats.current
+
+
+def _current_stats() -> CallStats:
+    stats = getattr(_stats, "current", None)
+    return stats if stats is not None else begin_task_stats()
 
 
 class StorageBusy(RuntimeError):
@@ -70,9 +94,12 @@ class IOThread:
 
 def start_call(io: IOThread, fn: Callable[[], Any], deadline: float, what: str, log: logging.Logger) -> Future | None:
     """Queue ``fn`` on ``io``; None (and a log line) when the backlog is full."""
+    stats = _current_stats()
+    stats.calls += 1
     try:
         return io.submit(fn, deadline)
     except StorageBusy as exc:
+        stats.failures += 1
         log.error("storage %s not started: %s", what, exc)
         return None
 
@@ -82,11 +109,13 @@ def wait_call(future: Future, deadline: float, what: str, backend: str, log: log
     try:
         return future.result(timeout=max(0.0, deadline - time.monotonic())), False
     except FutureTimeout:
+        _current_stats().failures += 1
         running = not future.cancel()  # a call that had not started never will
         log.error("storage %s timed out (%s)%s", what, backend,
                   ": the call is still running" if running else ": never started")
         return None, running
     except Exception as exc:
+        _current_stats().failures += 1
         log.error("storage %s failed: %s: %s", what, type(exc).__name__, exc)
         return None, False
 

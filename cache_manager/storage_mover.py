@@ -46,8 +46,8 @@ from transfer_factory.keys import Namespace, storage_key
 from transfer_factory.kvcache_storage import KVCacheStorage, StorageAccess
 
 from .cache_tasks import Outcome, ReadStorageTask, WriteStorageTask
-from .storage_io import (IO_BACKLOG, KIND_TAGS, IOThread, StorageBusy, check_block_ids, close_backend_within, leading,
-                         read_span, start_call, wait_call)
+from .storage_io import (IO_BACKLOG, KIND_TAGS, IOThread, StorageBusy, begin_task_stats, check_block_ids,
+                         close_backend_within, leading, read_span, start_call, wait_call)
 
 TRANSFER_MODES = ("auto", "staged", "direct")
 STAGING_BUFFERS = 2  # per direction: one for the task at hand, one held by a call that outlived its task
@@ -211,6 +211,7 @@ class StorageMover:
     def write(self, task: WriteStorageTask, deadline: float | None = None) -> Outcome:
         """Store the blocks; the value is the gpu ids of the leading run now stored."""
         deadline = time.monotonic() + task.timeout if deadline is None else deadline
+        stats = begin_task_stats()
         check_block_ids(task.gpu_block_ids, task.keys, self.device_blocks, "write")
         stored = self._present(task.keys, deadline, "write")
         total, written, late = stored, 0, None
@@ -224,7 +225,8 @@ class StorageMover:
             late = chunk.still_running
             if chunk.blocks < end - start:
                 break
-        return Outcome(list(task.gpu_block_ids[:total]), written * self._block_bytes(), late)
+        return Outcome(list(task.gpu_block_ids[:total]), written * self._block_bytes(), late, stats.calls,
+                       stats.failures)
 
     def _write_chunk(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float) -> _Chunk:
         keys = self._all_keys(hashes)
@@ -277,6 +279,7 @@ class StorageMover:
     def read(self, task: ReadStorageTask, deadline: float | None = None) -> Outcome:
         """Load the leading run of present blocks; the value is their gpu ids."""
         deadline = time.monotonic() + task.timeout if deadline is None else deadline
+        stats = begin_task_stats()
         hashes = read_span(task.keys, task.start_read_block_idx)
         check_block_ids(task.gpu_block_ids, hashes, self.device_blocks, "read")
         present = self._present(hashes, deadline, "read")
@@ -290,7 +293,8 @@ class StorageMover:
             late = chunk.still_running
             if chunk.blocks < end - start:
                 break
-        return Outcome(list(task.gpu_block_ids[:loaded]), loaded * self._block_bytes(), late)
+        return Outcome(list(task.gpu_block_ids[:loaded]), loaded * self._block_bytes(), late, stats.calls,
+                       stats.failures)
 
     def _read_chunk(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float) -> _Chunk:
         keys = self._all_keys(hashes)

@@ -149,7 +149,8 @@ class TaskScheduler:
                 out = Outcome(value=out)
             late = out.still_running
             result = RankResult(entry.task_id, self._rank, True, value=out.value, recv_seq=entry.seq,
-                                bytes_moved=int(out.bytes_moved), released=late is None)
+                                bytes_moved=int(out.bytes_moved), released=late is None,
+                                storage_calls=out.storage_calls, storage_failures=out.storage_failures)
         except Exception as exc:  # the task fails; the CTM keeps serving
             self._log.error("task %s failed: %s: %s", entry.task_id, type(exc).__name__, exc)
             result = RankResult(entry.task_id, self._rank, False, error=f"{type(exc).__name__}: {exc}",

@@ -64,6 +64,7 @@ from ops.shm import unlink_segments
 from .device_caches import CacheSpec, DeviceCaches
 from .errors import CachesClearedError, ServiceClosed, StartupError
 from .launcher import RankProcess, launch
+from .metrics import CacheMetrics
 from .task_tracker import TaskTracker, new_future
 
 if TYPE_CHECKING:
@@ -124,6 +125,7 @@ class CacheTransferService:
         model_version: str = "",
         extra_flags: dict[str, object] | None = None,
         extra_env: dict[str, str] | None = None,
+        metrics_port: int | None = None,
     ):
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tp {tp!r} must be a positive integer")
@@ -168,6 +170,11 @@ class CacheTransferService:
         self.procs: dict[int, RankProcess] = {}
         self._secret = wire.new_secret()
         self.tracker = TaskTracker(tp)  # every task in flight, its future and its release
+        self.metrics = CacheMetrics()  # counted from the ranks' results; served only with metrics_port
+        self.metrics.attach(self.tracker, backend=storage_backend)
+        if metrics_port is not None and not (isinstance(metrics_port, int) and 0 <= metrics_port < 65536):
+            raise ValueError(f"metrics_port {metrics_port!r} must be a port number (0 picks a free one)")
+        self.metrics_port = metrics_port
         self.supervisor_errors = 0
         self._shutdown_lock = threading.Lock()
         self._stop = threading.Event()
@@ -203,6 +210,8 @@ class CacheTransferService:
             self._wait_ready(list(range(self.tp)))
             self._supervisor = threading.Thread(target=self._supervise, name="ctm-supervisor", daemon=True)
             self._supervisor.start()
+            if self.metrics_port is not None:
+                self.metrics_port = self.metrics.serve(self.metrics_port, host=self.pod_ip)
         except BaseException:
             self.shutdown()
             raise
@@ -443,6 +452,7 @@ class CacheTransferService:
             self._closed = True
         atexit.unregister(self.shutdown)
         self.tracker.close()  # pending tasks fail; every block is released: the caches go away with the service
+        self.metrics.close()
         self._stop.set()
         if self._supervisor is not None:
             self._supervisor.join(5.0)

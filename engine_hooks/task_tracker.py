@@ -251,6 +251,11 @@ class TaskTracker:
         with self.lock:
             return len(self._pending)
 
+    def queue_depth(self) -> int:
+        """Pending tasks that no rank has answered yet (still queued, or running on every rank)."""
+        with self.lock:
+            return sum(1 for p in self._pending.values() if not p.results)
+
     def busy_seconds(self) -> float:
         """Wall time during which at least one task was in flight (overlapping tasks count once)."""
         total, end = 0.0, float("-inf")
