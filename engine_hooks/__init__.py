@@ -10,9 +10,10 @@ from .errors import (
     TaskFailedError,
     TaskTimeoutError,
 )
+from .fastdeploy_queue import EngineCacheQueue
 from .service import CacheTransferService
 
 __all__ = [
     "CacheSpec", "CacheTransferService", "CacheServiceError", "CachesClearedError", "CacheUpdateError", "RankDiedError", "ServiceClosed", "StartupError",
-    "TaskFailedError", "TaskTimeoutError",
+    "TaskFailedError", "TaskTimeoutError", "EngineCacheQueue",
 ]
