@@ -150,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--create_cache_tensor", type=_flag, nargs="?", const=True, default=False,
                    help="FastDeploy compatibility only: a CTM never allocates device caches")
     p.add_argument("--kvcache_storage_backend", default="none", choices=backend_names() + ("none",))
-    p.add_argument("--write_policy", default="write_through", choices=["write_through", "none"])
+    p.add_argument("--write_policy", default="write_through",
+                   choices=["write_through", "write_back", "write_through_selective", "none"],
+                   help="accepted for FastDeploy; the engine's prefix cache decides what to write and when")
     p.add_argument("--model_path", default="")
     # this project's own
     p.add_argument("--platform", default=os.environ.get("CTM_PLATFORM", "cpu"), choices=sorted(ops.PLATFORMS))

@@ -10,14 +10,18 @@ service; this class only decides what moves.
 * **Host tier**: ``num_host_blocks`` slots of the CTMs' swap space, with its own LRU.  An
   evicted device block is swapped out to host while the host tier has slots (the host LRU
   gives up its oldest entry when full), otherwise dropped.
-* **Storage tier**: write-through at request end (``write_policy="write_through"``; ``"none"``
-  writes nothing); a write keeps its blocks pinned until it completes *and* is released.
+* **Storage tier**, by ``write_policy`` (details in ``engine_hooks.write_policy``): ``write_through``
+  at request end; ``write_through_selective`` once hit ``write_threshold`` times; ``write_back``
+  when a block leaves the last tier above storage: dropped from device, from its own block before
+  reuse; given up by the host LRU, swapped into a kept-apart *bounce block* and written from there
+  once that swap-in succeeded and was released; ``none`` never.  A write keeps the blocks it reads
+  pinned until it completes *and* is released, so no write reads a reused block or wrong bytes.
 
 ``acquire(hashes)`` walks the prefix: device hits are pinned in place; host hits are swapped
 in; the rest is offered to storage, which loads the leading run it has into newly allocated
 blocks.  Anything not loaded, or whose load failed, is a miss the caller must compute: a
 failed load falls back to recompute, never to wrong data.  ``commit`` registers the request's
-blocks, ``release`` writes them through and unpins them.
+blocks, ``release`` submits the policy's writes and unpins them.
 
 **Late tasks** (DESIGN §3.8, two-phase completion).  A task that failed or timed out may still
 be acted on by a rank (a stalled rank, a storage call that outlived its deadline) until the
@@ -25,7 +29,7 @@ service resolves ``future.released``.  Until then its blocks stay *quarantined*:
 LRU, not in any lease.  That covers the host slots a failed swap-out was filling, the device
 blocks a failed swap-in or storage read was loading into (the request gets fresh blocks to
 compute into instead), the host slots a failed swap-in was reading, and the blocks of a failed
-write-through (which simply stay pinned until released).  Released blocks go back to the free
+write (which simply stay pinned until released).  Released blocks go back to the free
 lists on the next allocation, ``reap()`` or ``drain()``.
 
 **Accounting from facts.**  ``TierStats`` counts what the ranks report: blocks from the futures'
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from .late_tasks import Quarantine, bytes_moved, outcome, released_of
+from .write_policy import WRITE_POLICIES, WritePolicyMixin, _Write, bounce_blocks_for, check_write_policy
 
 if TYPE_CHECKING:
     from .service import CacheTransferService
@@ -49,7 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TIERS = ("device", "host", "storage", "miss")
-WRITE_POLICIES = ("write_through", "none")
+__all__ = ["TIERS", "WRITE_POLICIES", "CapacityError", "Lease", "TierStats", "TieredPrefixCache"]
 
 
 class CapacityError(ValueError):
@@ -87,35 +92,30 @@ class TierStats:
     quarantined_slots: int = 0  # host slots ever held back for a late task
 
 
-@dataclass
-class _Write:
-    future: Future
-    blocks: list[int]
-    hashes: list[str]
-
-
-class TieredPrefixCache:
+class TieredPrefixCache(WritePolicyMixin):
     def __init__(self, service: "CacheTransferService", num_device_blocks: int, num_host_blocks: int, *,
-                 write_policy: str = "write_through", use_storage: bool = True, task_timeout: float = 30.0,
-                 release_wait: float | None = None):
-        """``release_wait``: how long an allocation that cannot be served waits for in-flight writes and
+                 write_policy: str = "write_through", write_threshold: int = 2, use_storage: bool = True,
+                 task_timeout: float = 30.0, release_wait: float | None = None, bounce_blocks: int | None = None):
+        """``write_policy``: one of ``WRITE_POLICIES`` (see ``engine_hooks.write_policy``);
+        ``write_threshold``: the hits after which ``write_through_selective`` writes a block.
+        ``release_wait``: how long an allocation that cannot be served waits for in-flight writes and
         late tasks to give blocks back before it raises ``CapacityError`` (default ``task_timeout + 10``,
-        past the storage tasks' grace)."""
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy {write_policy!r} must be one of {WRITE_POLICIES}")
+        past the storage tasks' grace).  ``bounce_blocks``: device blocks of the pool kept apart to
+        write host blocks back through (write_back with a host tier and storage only)."""
+        check_write_policy(write_policy, write_threshold)
         if num_device_blocks < 1 or num_device_blocks > service.spec.num_blocks:
             raise ValueError(f"num_device_blocks {num_device_blocks} must be in 1..{service.spec.num_blocks}")
         if not 0 <= num_host_blocks <= service.num_cpu_blocks:
             raise ValueError(f"num_host_blocks {num_host_blocks} must be in 0..{service.num_cpu_blocks} "
                              "(the CTMs' swap space)")
+        bounce_blocks = bounce_blocks_for(write_policy, num_device_blocks, num_host_blocks, use_storage, bounce_blocks)
         self.svc = service
-        self.write_policy = write_policy
         self.use_storage = use_storage
         self.task_timeout = task_timeout
         self.release_wait = task_timeout + 10.0 if release_wait is None else release_wait
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
-        self._dev_free: collections.deque[int] = collections.deque(range(num_device_blocks))
+        self._dev_free: collections.deque[int] = collections.deque(range(num_device_blocks - bounce_blocks))
         self._dev_by_hash: dict[str, int] = {}
         self._dev_hash: dict[int, str] = {}
         self._refs: collections.Counter = collections.Counter()
@@ -126,6 +126,8 @@ class TieredPrefixCache:
         self._writes: list[_Write] = []
         self._quarantine = Quarantine()
         self.stats = TierStats()
+        self._init_write_policy(write_policy, write_threshold, range(num_device_blocks - bounce_blocks,
+                                                                     num_device_blocks))
 
     # ------------------------------------------------------------------ pins
     def _pin(self, block: int) -> None:
@@ -139,7 +141,7 @@ class TieredPrefixCache:
             if block in self._dev_hash:
                 self._dev_lru[block] = None  # cached: most recently used at the end
             else:
-                self._dev_free.append(block)
+                self._free_block(block)
 
     def pinned(self, block: int) -> bool:
         return self._refs[block] > 0
@@ -150,16 +152,18 @@ class TieredPrefixCache:
         The caller has already taken them out of every free list, LRU and pin count."""
         blocks, slots = list(blocks), list(slots)
         if not self._quarantine.hold(future, blocks, slots, what):
-            self._dev_free.extend(blocks)  # released already: nothing can touch them any more
+            for block in blocks:  # released already: nothing can touch them any more
+                self._free_block(block)
             self._host_free.extend(slots)
         self.stats.quarantined_blocks = self._quarantine.blocks_held
         self.stats.quarantined_slots = self._quarantine.slots_held
 
     def reap(self) -> None:
-        """Unpin the blocks of finished and released write-throughs; give released quarantined blocks
+        """Unpin the blocks of finished and released writes; give released quarantined blocks
         and slots back to the free lists.  Never waits."""
         blocks, slots = self._quarantine.reap()
-        self._dev_free.extend(blocks)
+        for block in blocks:
+            self._free_block(block)
         self._host_free.extend(slots)
         keep = []
         for w in self._writes:
@@ -169,22 +173,8 @@ class TieredPrefixCache:
                 keep.append(w)
         self._writes = keep
 
-    def _finish_write(self, w: _Write) -> None:
-        self.stats.bytes_to_storage += bytes_moved(w.future)
-        try:
-            stored = w.future.result(0)
-            if not isinstance(stored, list):
-                raise TypeError(f"write resolved to {type(stored).__name__}, expected the stored block ids")
-            now_stored = w.hashes[:len(stored)]
-            self.stats.storage_write_blocks += sum(h not in self._stored for h in now_stored)
-            self._stored.update(now_stored)
-        except Exception as exc:
-            logger.warning("write-through of %d blocks failed: %s", len(w.blocks), exc)
-        for block in w.blocks:
-            self._unpin(block)
-
     def reap_writes(self, wait: bool = False) -> None:
-        """``reap()``; with ``wait``, first wait (bounded by ``release_wait``) for every write-through
+        """``reap()``; with ``wait``, first wait (bounded by ``release_wait``) for every storage write
         to finish and be released."""
         if wait:
             self._settle(self.release_wait, lambda: not self._writes)
@@ -206,11 +196,11 @@ class TieredPrefixCache:
             concurrent.futures.wait(waiting, timeout=remaining, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def drain(self, timeout: float = 60.0) -> bool:
-        """Wait (at most ``timeout``) until every write-through is done and every late task released.
+        """Wait (at most ``timeout``) until every storage write is done and every late task released.
         False if something is still outstanding (it is logged)."""
         if self._settle(timeout, lambda: not self._writes and not self._quarantine):
             return True
-        logger.warning("drain: after %.0fs, %d write-throughs and %d late tasks still hold blocks", timeout,
+        logger.warning("drain: after %.0fs, %d storage writes and %d late tasks still hold blocks", timeout,
                        len(self._writes), len(self._quarantine))
         return False
 
@@ -222,61 +212,77 @@ class TieredPrefixCache:
         self.reap()
         if n > self._available():
             self._settle(self.release_wait, lambda: n <= self._available())
-        available = self._available()
-        if n > available:
-            counts = self.block_counts()
-            raise CapacityError(
-                f"needs {n} device blocks, only {available} of {self.num_device_blocks} are unpinned "
-                f"({counts['pinned']} pinned, {counts['writing']} of them by write-throughs in flight; "
-                f"{counts['quarantined']} quarantined until late tasks release them)")
-        out = [self._dev_free.popleft() for _ in range(min(n, len(self._dev_free)))]
-        if len(out) < n:
-            out += self._evict(n - len(out))
-        return out
+        if n > self._available():
+            raise self._capacity_error(n)
+        out: list[int] = []
+        while True:
+            out += [self._dev_free.popleft() for _ in range(min(n - len(out), len(self._dev_free)))]
+            if len(out) == n:
+                return out
+            if self._dev_lru:
+                got, writes = self._evict(min(n - len(out), len(self._dev_lru)))
+                out += got
+                # write_back: dropped blocks are usable once their writes are done and released; a
+                # store that does not answer stops the allocation rather than evict the whole LRU
+                if writes and not self._settle(self.release_wait,
+                                               lambda: not any(w is x for w in writes for x in self._writes)):
+                    self._dev_free.extend(out)
+                    raise self._capacity_error(n, f"write-backs of {sum(len(w.blocks) for w in writes)} evicted "
+                                                  f"blocks not released after {self.release_wait:.1f}s")
+            elif not self._settle(self.release_wait, lambda: self._available() > 0):
+                self._dev_free.extend(out)
+                raise self._capacity_error(n)
 
-    def _evict(self, n: int) -> list[int]:
-        """Free the ``n`` least recently used cached blocks, swapping them out to host if it has room."""
+    def _capacity_error(self, n: int, why: str = "") -> CapacityError:
+        counts = self.block_counts()
+        return CapacityError(
+            f"needs {n} device blocks, {why or f'only {self._available()} of {self.num_device_blocks} are unpinned'} "
+            f"({counts['pinned']} pinned, {counts['writing']} of them by storage writes in flight; "
+            f"{counts['quarantined']} quarantined until late tasks release them)")
+
+    def _evict(self, n: int) -> tuple[list[int], list[_Write]]:
+        """Evict the ``n`` least recently used cached blocks, swapping them out to host if it has room
+        (the host LRU gives up its oldest entries).  Returns the blocks usable now, and the write-backs
+        that pin the others (write_back: a dropped block is written first)."""
         victims = [self._dev_lru.popitem(last=False)[0] for _ in range(n)]
         hashes = [self._dev_hash.pop(b) for b in victims]
         for h in hashes:
             del self._dev_by_hash[h]
-        out_gpu, out_cpu, out_hash = [], [], []
-        if self._host_free or self._host:
-            for block, h in zip(victims, hashes):
-                if h in self._host:
-                    self._host.move_to_end(h)
-                    continue
-                slot = self._host_slot()
-                if slot is None:
-                    break
-                out_gpu.append(block)
-                out_cpu.append(slot)
-                out_hash.append(h)
+        to_host = []
+        for block, h in zip(victims, hashes):
+            if h in self._host:
+                self._host.move_to_end(h)
+            else:
+                to_host.append((block, h))
+        slots = self._host_slots(len(to_host))
+        out, dropped = to_host[:len(slots)], to_host[len(slots):]
+        out_gpu = [b for b, _ in out]
         if out_gpu:
-            future = self.svc.swap_to_cpu(out_gpu, out_cpu, timeout=self.task_timeout)
+            future = self.svc.swap_to_cpu(out_gpu, slots, timeout=self.task_timeout)
             ok, _, exc = outcome(future, self.task_timeout + 10)
             self.stats.bytes_d2h += bytes_moved(future)
             if ok:
-                for h, slot in zip(out_hash, out_cpu):
+                for (_, h), slot in zip(out, slots):
                     self._host[h] = slot
                 self.stats.swap_out_blocks += len(out_gpu)
             else:  # the blocks are dropped, not lost: storage or recompute has them
                 logger.warning("swap-out of %d blocks failed (%s); dropping them", len(out_gpu),
                                exc or "a rank has not released it")
                 # A late swap-out still writes these slots: quarantine them.  The device blocks it
-                # reads may be reused at once: writing them can only spoil the slots' copies, which
-                # are never mapped to a hash.
-                self._hold(future, [], out_cpu, f"swap-out to host slots {out_cpu[:4]}")
+                # reads keep their bytes (a write-back may read them too) and may be reused once
+                # no write needs them: writing them can only spoil the slots' copies, which are
+                # never mapped to a hash.
+                self._hold(future, [], slots, f"swap-out to host slots {slots[:4]}")
                 self.stats.dropped_blocks += len(out_gpu)
+                dropped = out + dropped
         self.stats.dropped_blocks += len(victims) - len(out_gpu)
-        return victims
+        return self._leave_device(victims, dropped)
 
-    def _host_slot(self) -> int | None:
-        if self._host_free:
-            return self._host_free.popleft()
-        if self._host:
-            return self._host.popitem(last=False)[1]  # the host LRU gives up its oldest entry
-        return None
+    def _host_slots(self, n: int) -> list[int]:
+        """Up to ``n`` host slots: free ones, then those the host LRU gives up (oldest first)."""
+        slots = [self._host_free.popleft() for _ in range(min(n, len(self._host_free)))]
+        evicted = [self._host.popitem(last=False) for _ in range(min(n - len(slots), len(self._host)))]
+        return slots + self._leave_host(evicted) if evicted else slots
 
     # ------------------------------------------------------------------ requests
     def acquire(self, hashes: Sequence[str]) -> Lease:
@@ -331,6 +337,7 @@ class TieredPrefixCache:
                 if block >= 0:
                     self._unpin(block)
             raise
+        self._count_hits(lease)
         return lease
 
     def _replace(self, lease: Lease, positions: list[int], future: Future, what: str) -> None:
@@ -401,15 +408,12 @@ class TieredPrefixCache:
                 self._dev_hash[block] = h
 
     def release(self, lease: Lease) -> None:
-        """Write the request's blocks through to storage and unpin them (once the write is done and
-        released: a late write must never see the engine's next bytes in its blocks)."""
-        if self.write_policy == "write_through" and self.use_storage and lease.hashes:
-            if any(h not in self._stored for h in lease.hashes):
-                future = self.svc.write_storage(lease.hashes, lease.gpu_blocks, timeout=self.task_timeout)
-                self._writes.append(_Write(future, list(lease.gpu_blocks), list(lease.hashes)))
-                return
-        for block in lease.gpu_blocks:
-            self._unpin(block)
+        """Submit the request's writes (write_through, write_through_selective) and unpin its blocks;
+        the blocks a write reads stay pinned until it is done and released (a late write must never
+        see the engine's next bytes in its blocks)."""
+        if not self._write_at_release(lease):
+            for block in lease.gpu_blocks:
+                self._unpin(block)
 
     # ------------------------------------------------------------------ inspection
     def device_block_of(self, block_hash: str) -> int | None:
@@ -423,20 +427,42 @@ class TieredPrefixCache:
         return self._quarantine.blocks(), self._quarantine.slots()
 
     def writes_in_flight(self) -> list[tuple[Future, list[int]]]:
-        """(future, device blocks) of every write-through not yet reaped."""
+        """(future, device blocks) of every storage write not yet reaped."""
         return [(w.future, list(w.blocks)) for w in self._writes]
 
     def block_counts(self) -> dict[str, int]:
-        """Where every device block is: free, cached (unpinned, in the LRU), pinned, quarantined; they
-        sum to ``num_device_blocks``.  ``writing``: the pinned blocks held by write-throughs."""
+        """Where every device block is: free, cached (unpinned, in the LRU), pinned, quarantined, or an
+        idle bounce block (write_back); they sum to ``num_device_blocks``.  ``writing``: the pinned
+        blocks held by storage writes in flight."""
         quarantined = len(self._quarantine.blocks())
         return {"free": len(self._dev_free), "cached": len(self._dev_lru), "pinned": len(self._refs),
-                "quarantined": quarantined,
+                "quarantined": quarantined, "bounce": len(self._bounce_free),
                 "writing": len({b for w in self._writes for b in w.blocks}),
                 "host_free": len(self._host_free), "host_cached": len(self._host),
                 "host_quarantined": len(self._quarantine.slots())}
 
+    def forget_all(self, timeout: float = 60.0) -> None:
+        """Forget every cached block, device and host (after ``svc.clear_caches()``: KV computed with
+        the old weights must never be served again).  Nothing is written, under any policy.  Writes
+        and late tasks are waited for first (bounded); a block a request still holds is an error."""
+        self.drain(timeout)
+        held = [b for b, n in self._refs.items() if n > 0]
+        if held:
+            raise RuntimeError(f"forget_all: requests still hold device blocks {sorted(held)[:8]}")
+        self._dev_free.extend(self._dev_lru)
+        self._dev_lru.clear()
+        self._dev_by_hash.clear()
+        self._dev_hash.clear()
+        self._host_free.extend(self._host.values())
+        self._host.clear()
+        self._stored.clear()  # the storage namespace changed with the weights
+        self._hits.clear()
+
     def drop_host_tier(self) -> None:
-        """Forget every host copy (after ``svc.restart_rank``: the new rank's swap space is empty)."""
+        """Forget every host copy (after ``svc.restart_rank``: the new rank's swap space is empty;
+        under write_back, what only the host held is lost, never written)."""
+        for h in self._host:
+            if h not in self._dev_by_hash:
+                self._forget(h)
         self._host_free.extend(self._host.values())
         self._host.clear()

@@ -5,8 +5,10 @@ caching buys.
 An engine in miniature drives TP CTM processes through ``engine_hooks``: for each request
 it looks its prefix up in a tiered prefix cache (device, host swap space, storage), loads
 what is cached, verifies every loaded block's bytes against content derived from (block
-hash, layer, rank, K/V), "computes" the misses by writing that content, and writes the
-blocks through to storage when the request ends.  Real processes, real bytes, real storage.
+hash, layer, rank, K/V), "computes" the misses by writing that content, and writes blocks to
+storage as ``--write-policy`` says (through at each request's end by default; ``write_back``:
+when they leave the host tier; ``write_through_selective``: once hit ``--write-threshold``
+times).  Real processes, real bytes, real storage.
 
 Input: Mooncake-format JSONL (``timestamp``, ``input_length``, ``output_length``,
 ``hash_ids`` of 512-token prefix blocks) with ``--trace``; without it, a seeded multi-turn
@@ -43,8 +45,9 @@ quiet_paddle()
 import numpy as np  # noqa: E402
 
 from engine_hooks import CacheSpec, CacheTransferService  # noqa: E402
-from engine_hooks.prefix_cache import TIERS, CapacityError, TieredPrefixCache  # noqa: E402
+from engine_hooks.prefix_cache import TIERS, WRITE_POLICIES, CapacityError, TieredPrefixCache  # noqa: E402
 from engine_hooks.service import default_log_dir  # noqa: E402
+from engine_hooks.write_policy import default_bounce_blocks  # noqa: E402
 from ops.procs import PathReaper  # noqa: E402
 from replay_workload import (HASH_BLOCK_TOKENS, BadTraceLine, Request, generate_workload, load_trace,  # noqa: E402
                              request_hashes)
@@ -121,7 +124,8 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
            args: argparse.Namespace) -> dict:
     """Replays ``requests``, whose block hashes ``request_block_hashes`` holds, in order."""
     cache = TieredPrefixCache(svc, args.device_blocks, args.host_blocks, write_policy=args.write_policy,
-                              use_storage=args.storage != "none", task_timeout=args.task_timeout)
+                              write_threshold=args.write_threshold, use_storage=args.storage != "none",
+                              task_timeout=args.task_timeout)
     content = Content(svc)
     tokens_per_block = HASH_BLOCK_TOKENS // args.kv_blocks_per_hash
     block_bytes = svc.tp * len(KINDS) * args.num_layers * args.block_bytes
@@ -156,6 +160,7 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
                 corrupt += 1
                 log.error("line %d block %d from %s has wrong bytes: recomputing it", req.line, i, lease.sources[i])
                 lease.sources[i] = "miss"
+        svc.metrics.record_sources(lease.sources)  # what each tier served, after verification
         miss_pos = lease.positions("miss")
         content.write([hashes[i] for i in miss_pos], [lease.gpu_blocks[i] for i in miss_pos])
         per_tier = collections.Counter(lease.sources)
@@ -170,7 +175,7 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
         ratio = (total_blocks - counts["miss"]) / total_blocks if total_blocks else 0.0
         progress.update(done, ratio)
     if not cache.drain():
-        log.warning("write-throughs or late tasks still outstanding at the end of the replay")
+        log.warning("storage writes or late tasks still outstanding at the end of the replay")
     elapsed = time.perf_counter() - t0
     blocks = sum(counts.values())
     lat = np.array(svc.latencies_ms) if svc.latencies_ms else np.zeros(1)
@@ -201,6 +206,8 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
         "dropped_blocks": st.dropped_blocks, "failed_loads": st.failed_loads,
         "quarantined_blocks": st.quarantined_blocks, "quarantined_slots": st.quarantined_slots,
         "elapsed_s": elapsed, "requests_per_s": len(requests) / elapsed if elapsed else 0.0,
+        "write_policy": args.write_policy, "write_threshold": args.write_threshold,
+        "bounce_blocks": cache.block_counts()["bounce"], "metrics_port": svc.metrics_port,
     }
     result["_timeline"] = timeline
     return result
@@ -208,6 +215,8 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
 
 def print_summary(r: dict, args: argparse.Namespace) -> None:
     gib = 2**30
+    policy = r["write_policy"] + (f", threshold {r['write_threshold']}"
+                                  if r["write_policy"] == "write_through_selective" else "")
     rows = [
         ("requests replayed", f"{r['requests']} ({r['skipped_requests']} skipped) in {r['elapsed_s']:.1f} s "
                               f"({r['requests_per_s']:.0f} req/s)"),
@@ -226,6 +235,7 @@ def print_summary(r: dict, args: argparse.Namespace) -> None:
         ("transfer rate", f"{r['transfer_gbps']:.2f} GB/s while transferring ({r['transfer_busy_s']:.1f} s busy, "
                           f"{r['tasks']} tasks)"),
         ("task latency", f"p50 {r['task_p50_ms']:.2f} ms, p99 {r['task_p99_ms']:.2f} ms"),
+        ("write policy", f"{policy}: {r['storage_write_blocks']} blocks newly stored"),
         ("verified blocks", f"{r['verified_blocks']} transferred and bit-exact, {r['corrupt_blocks']} corrupt"),
         ("device hits", f"{r['device_hits']} (checked; no bytes moved)"),
     ]
@@ -304,11 +314,20 @@ def run_with_storage(args: argparse.Namespace, spec: CacheSpec, requests: list[R
                                   storage_backend="none" if args.storage == "none" else args.storage,
                                   storage_options=storage_options, model_id=f"replay/{source}",
                                   max_model_len=max_model_len, task_timeout=args.task_timeout,
-                                  log_dir=log_dir) as svc:
+                                  log_dir=log_dir, metrics_port=args.metrics_port) as svc:
             if reaper is not None:
                 for pid in svc.pids().values():  # a CTM that outlives a killed replay may still write there
                     reaper.watch(pid)
-            return replay(svc, requests, block_hashes, args)
+            if svc.metrics_port is not None:
+                print(f"metrics at http://127.0.0.1:{svc.metrics_port}/metrics", flush=True)
+            result = replay(svc, requests, block_hashes, args)
+            if svc.metrics_port is not None and args.metrics_linger > 0:
+                report(result, args, source)  # the summary first, then the endpoint stays up to be scraped
+                result["_reported"] = True
+                print(f"metrics stay at http://127.0.0.1:{svc.metrics_port}/metrics for {args.metrics_linger:g}s",
+                      flush=True)
+                time.sleep(args.metrics_linger)
+            return result
     finally:
         if master is not None:
             master.stop()
@@ -338,9 +357,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage-capacity", default="4G", help="FileStore capacity per rank")
     p.add_argument("--storage-fsync", choices=["auto", "on", "off"], default="auto",
                    help="fsync every stored object (auto: only for a --storage-root that outlives the run)")
-    p.add_argument("--write-policy", choices=["write_through", "none"], default="write_through")
+    p.add_argument("--write-policy", choices=list(WRITE_POLICIES), default="write_through",
+                   help="when blocks go to storage: at each request's end (write_through), when they leave "
+                        "the host tier (write_back), once hit --write-threshold times (write_through_selective)")
+    p.add_argument("--write-threshold", type=int, default=2,
+                   help="hits after which write_through_selective writes a block (default 2)")
     p.add_argument("--task-timeout", type=float, default=30.0)
     p.add_argument("--log-dir", help="CTM and local master logs (default: $CTM_LOG_DIR, else ./log)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this loopback port during the replay (0 picks one)")
+    p.add_argument("--metrics-linger", type=float, default=0.0,
+                   help="keep the metrics endpoint up this many seconds after the summary")
     p.add_argument("--json", action="store_true", help="print a final JSON line")
     p.add_argument("--plot", help="write a PNG: hit ratio over time and the tier breakdown")
     p.add_argument("--no-progress", action="store_true")
@@ -358,6 +385,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be positive")
     if args.host_blocks < 0:
         parser.error(f"--host-blocks {args.host_blocks} must not be negative")
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        parser.error(f"--metrics-port {args.metrics_port} must be a port number (0 picks a free one)")
+    if args.metrics_linger < 0:
+        parser.error(f"--metrics-linger {args.metrics_linger} must not be negative")
+    if args.write_threshold < 1:
+        parser.error(f"--write-threshold {args.write_threshold} must be positive")
     if HASH_BLOCK_TOKENS % args.kv_blocks_per_hash:
         parser.error(f"--kv-blocks-per-hash {args.kv_blocks_per_hash} must divide {HASH_BLOCK_TOKENS}")
     block_size = HASH_BLOCK_TOKENS // args.kv_blocks_per_hash
@@ -390,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     device_blocks = max(args.device_blocks, longest)
     if args.unbounded:
         device_blocks = max(device_blocks, unique)
+    # write_back keeps a few device blocks apart to write host blocks back through: the longest
+    # request must still fit in the rest
+    bounce = default_bounce_blocks(args.write_policy, device_blocks, args.host_blocks, args.storage != "none")
+    device_blocks = max(device_blocks, longest + bounce)
     spec = CacheSpec(num_layers=args.num_layers, num_blocks=device_blocks, kv_heads=1, block_size=block_size,
                      head_dim=args.block_bytes // (2 * block_size))
     args.device_blocks = device_blocks
@@ -402,14 +439,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: CTMs stopped, temporary store removed", file=sys.stderr)
         return 130
+    if not result.get("_reported"):
+        report(result, args, source)
+    return 0 if result["corrupt_blocks"] == 0 else 1
+
+
+def report(result: dict, args: argparse.Namespace, source: str) -> None:
+    """The summary, the plot and the JSON line."""
     print_summary(result, args)
     if args.plot:
         plot(result, args.plot, f"{source}: {result['requests']} requests, TP={args.tp}, storage {args.storage}")
         print(f"plot written to {args.plot}")
     if args.json:
         print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in result.items()
-                          if not k.startswith("_")}))
-    return 0 if result["corrupt_blocks"] == 0 else 1
+                          if not k.startswith("_")}), flush=True)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,18 @@ def trace_slice(tmp_path, n: int) -> str:
     return str(path)
 
 
+def trace_window(tmp_path, start: int, n: int) -> str:
+    """Requests ``start+1 .. start+n`` of the shared trace (its late part reuses more), or the
+    generated workload if the trace is absent."""
+    if not os.path.exists(SHARED_TRACE):
+        return trace_slice(tmp_path, n)
+    path = tmp_path / "window.jsonl"
+    with open(SHARED_TRACE) as f:
+        lines = f.readlines()[start:start + n]
+    path.write_text("".join(lines))
+    return str(path)
+
+
 def independent_ceiling(path: str) -> tuple[int, int]:
     """(blocks whose whole prefix of trace block ids was seen in an earlier request, all blocks):
     computed from the raw ids, without the project's hashing."""
@@ -109,6 +121,35 @@ def test_bounded_replay_uses_every_tier_and_never_beats_the_ceiling(tmp_path):
         assert key in result
     with open(tmp_path / "plot.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_write_policies_serve_only_right_bytes_and_write_less_than_write_through(tmp_path):
+    """The same 150 requests (a window of the shared trace with reuse) under every write policy,
+    with tiers small enough to evict from both: 0 corrupt blocks; write_back and
+    write_through_selective write fewer bytes than write_through; no hit ratio beats the ceiling."""
+    path = trace_window(tmp_path, 3800, 150)
+    hits, total = independent_ceiling(path)
+    results = {}
+    for policy in ("write_through", "write_back", "write_through_selective", "none"):
+        result, proc = run_replay(tmp_path, "--trace", path, "--device-blocks", "192", "--host-blocks", "256",
+                                  "--write-policy", policy, "--write-threshold", "2")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert result["write_policy"] == policy and result["write_threshold"] == 2
+        assert f"write policy          {policy}" in proc.stdout
+        assert result["corrupt_blocks"] == 0 and result["skipped_requests"] == 0
+        assert result["blocks"] == total and result["hit_blocks"] <= hits
+        assert result["verified_blocks"] + result["device_hits"] == result["hit_blocks"]
+        assert_bytes_from_facts(result)
+        results[policy] = result
+    through, back, selective, none = (results[p] for p in ("write_through", "write_back",
+                                                           "write_through_selective", "none"))
+    assert none["bytes_to_storage"] == 0 and none["storage_hit_ratio"] == 0
+    assert 0 < back["bytes_to_storage"] < through["bytes_to_storage"]
+    assert 0 < selective["bytes_to_storage"] < back["bytes_to_storage"]
+    assert back["bounce_blocks"] > 0 and back["swap_in_blocks"] > back["host_hit_ratio"] * back["blocks"]
+    # what storage serves under write_back: blocks written as they left the host tier
+    assert back["storage_read_blocks"] > 0 and back["storage_hit_ratio"] > 0.5 * through["storage_hit_ratio"]
+    assert selective["hit_ratio"] >= none["hit_ratio"]
 
 
 def test_generated_workload_without_a_trace(tmp_path):
@@ -229,3 +270,69 @@ def test_the_temporary_store_root_goes_however_the_replay_ends(tmp_path, sig):
     assert not os.path.exists(root), "a CTM recreated the store root after it was removed"
     assert os.listdir(systmp) == []
     proc.stderr.close()
+
+
+def scrape(port: int) -> dict[tuple[str, frozenset], float]:
+    """One scrape of the Prometheus endpoint: (name, labels) -> value."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'^([a-z_]+)(?:\{(.*)\})? (\S+)$', line)
+        if m:
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def test_metrics_scraped_during_a_replay_agree_with_its_summary(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = trace_slice(tmp_path, 250)
+    proc = subprocess.Popen([*REPLAY, "--trace", path, "--device-blocks", "96", "--host-blocks", "128",
+                             "--metrics-port", str(port), "--metrics-linger", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=private_env(tmp_path))
+    during, result = [], None
+    try:
+        deadline = time.monotonic() + 300
+        for line in proc.stdout:  # the replay prints its progress, the summary, then the JSON line
+            if line.startswith("metrics at"):
+                try:
+                    during.append(scrape(port))
+                except OSError:
+                    pass
+            if line.startswith("{"):
+                result = json.loads(line)
+                break
+            assert time.monotonic() < deadline, "the replay took too long"
+        assert result is not None, proc.stderr.read()[-3000:]
+        final = scrape(port)  # the endpoint lingers after the summary
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == 0
+    assert during, "the endpoint did not answer during the replay"
+    m = lambda name, **labels: final.get((name, frozenset(labels.items())), 0.0)  # noqa: E731
+    ok = sum(v for (name, labels), v in final.items() if name == "ctm_tasks_total" and ("outcome", "ok") in labels)
+    failed = sum(v for (name, labels), v in final.items()
+                 if name == "ctm_tasks_total" and ("outcome", "ok") not in labels)
+    assert (ok, failed) == (result["tasks"], 0)
+    assert m("ctm_bytes_moved_total", direction="device_to_host") == result["bytes_d2h"] > 0
+    assert m("ctm_bytes_moved_total", direction="host_to_device") == result["bytes_h2d"]
+    assert m("ctm_bytes_moved_total", direction="to_storage") == result["bytes_to_storage"] > 0
+    assert m("ctm_bytes_moved_total", direction="from_storage") == result["bytes_from_storage"]
+    blocks = result["blocks"]
+    for tier in ("device", "host", "storage"):
+        served = m("ctm_tier_blocks_total", tier=tier, result="served")
+        assert served == round(result[f"{tier}_hit_ratio"] * blocks)
+    assert m("ctm_tier_blocks_total", tier="storage", result="missed") == blocks - result["hit_blocks"]
+    assert m("ctm_tier_blocks_total", tier="device", result="served") + \
+        m("ctm_tier_blocks_total", tier="device", result="missed") == blocks
+    assert m("ctm_storage_calls_total", backend="file", direction="write") > 0
+    assert m("ctm_storage_call_failures_total", backend="file", direction="write") == 0
+    assert m("ctm_ranks_up") == 2 and m("ctm_tasks_in_flight") == 0

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from engine_hooks import CachesClearedError, CacheUpdateError, RankDiedError
+from engine_hooks.prefix_cache import TieredPrefixCache
 from cache_manager.cache_data import KV_CACHE_STATUS_SIGNAL, KVCacheStatus
 from cache_manager.kv_cache_lifecycle import key_prefix_from_version
 from tests.service_helpers import SMALL, block_bytes, fill_distinct, segments_of, start_service, views
@@ -56,10 +57,17 @@ def test_clear_and_restore_never_serve_kv_of_the_old_weights(storage, tmp_path, 
         old_keys = chain_hash_ids([f"old-{i}" for i in range(3)])
         assert svc.write_storage(old_keys, [0, 1, 2]).result(timeout=30) == [0, 1, 2]
         assert svc.swap_to_cpu([3], [0]).result(timeout=30)
+        cache = TieredPrefixCache(svc, num_device_blocks=8, num_host_blocks=4, write_policy="write_through")
+        cached = chain_hash_ids([f"cached-{i}" for i in range(3)])
+        lease = cache.acquire(cached)
+        cache.commit(lease)
+        cache.release(lease)  # on device now, and written through to storage
+        assert cache.drain(30)
         in_flight = svc.control("sleep", seconds=1.0, rank=1)  # a task the clear must drain, not drop
         time.sleep(0.3)  # let it start on rank 1
 
         svc.clear_caches(timeout=30)
+        cache.forget_all()
         assert in_flight.result(timeout=5) == [None, None]  # it finished; nothing hangs
         assert svc.signals[KV_CACHE_STATUS_SIGNAL].value[0] == KVCacheStatus.CLEARED
         assert not [n for n in segments_of(port) if ".key_caches_" in n or ".value_caches_" in n]  # KV memory freed
@@ -73,6 +81,8 @@ def test_clear_and_restore_never_serve_kv_of_the_old_weights(storage, tmp_path, 
         assert svc.signals[KV_CACHE_STATUS_SIGNAL].value[0] == KVCacheStatus.NORMAL
         assert svc.model_version == "RL-STEP2"
         assert svc.read_storage(old_keys, [0, 1, 2]).result(timeout=30) == []  # old weights: a miss
+        assert cache.acquire(cached).sources == ["miss"] * 3  # neither device, host nor storage serves them
+        cache.drain(30)
         fill_distinct(svc, seed=2)
         new_keys = chain_hash_ids([f"new-{i}" for i in range(3)])
         want = block_bytes(svc, [0, 1, 2])
