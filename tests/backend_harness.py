@@ -226,9 +226,11 @@ class AttentionStoreHarness(StandinHarness):
     cannot = {"damage": NO_DAMAGE}
 
     def drop(self, svc, keys, tokens, block, rank) -> None:
-        if STANDINS not in sys.path:
-            sys.path.insert(0, STANDINS)
-        import attentionstore_sdk.sdk as sdk  # the stand-in, whose files this test removes
+        sys.path.insert(0, STANDINS)  # only for this import: the other stand-ins (acl) stay off the path
+        try:
+            import attentionstore_sdk.sdk as sdk  # the stand-in, whose files this test removes
+        finally:
+            sys.path.remove(STANDINS)
 
         removed = sdk.remove_block_for_tests(str(self.root), rank, svc.tp, tokens, svc.spec.block_size, block)
         assert removed, "the stand-in held no such block"
