@@ -40,7 +40,7 @@ import numpy as np
 
 import ops
 from ops.procs import pid_alive
-from ops.shm import SharedMemorySegment, unlink_segments
+from ops.shm import SharedMemorySegment
 from transfer_factory import StorageAccess, StorageConfigError, backend_names, create_storage_backend
 from transfer_factory.keys import Namespace
 
@@ -244,7 +244,7 @@ class CacheTransferManager:
         self.rank = args.rank
         self.spec = spec_from_args(args)
         self.instance = args.ipc_instance or str(args.engine_worker_queue_port)
-        self.platform = ops.get_platform(args.platform, **({"instance": self.instance} if args.platform == "cpu" else {}))
+        self.platform = ops.get_platform(args.platform, instance=self.instance)
         ops.use_platform(self.platform)
         self.parent_pid = os.getppid()
         self.stop_event = threading.Event()
@@ -484,8 +484,7 @@ class CacheTransferManager:
     # -- shutdown ---------------------------------------------------------------
     def close(self, engine_gone: bool) -> None:
         if engine_gone:
-            if self.args.platform == "cpu":
-                self._remove_orphans()
+            self._remove_orphans()
             # The engine is gone: nobody waits for answers, and a storage client or a task stuck
             # in a backend call may take many seconds to wind down.  main() exits at once.
             return
@@ -512,7 +511,7 @@ class CacheTransferManager:
         Attached processes never unlink while the engine lives; once it is gone, every
         rank removes what the engine left (idempotent, and mappings stay valid)."""
         suffix = self.args.engine_worker_queue_port
-        removed = unlink_segments(self.platform.segment_prefix)
+        removed = self.platform.remove_orphans()
         for name in PER_RANK_SIGNALS + (WORKER_HEALTHY_LIVE_SIGNAL, KV_CACHE_STATUS_SIGNAL):
             SharedMemorySegment.unlink_name(signal_segment_name(name, suffix))
         self.log.warning("engine gone: removed its %d cache segments and its signals", len(removed))

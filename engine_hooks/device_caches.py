@@ -27,6 +27,7 @@ class DeviceCaches:
     tensors: list[dict[str, list[Any]]] = field(default_factory=list)
 
     def create_rank(self, rank: int) -> None:
+        self.platform.set_device(self.device_ids[rank])  # each rank's caches on its own device
         caches: dict[str, list[Any]] = {}
         self.tensors.append(caches)
         for kind, block_shape, dtype in self.spec.kinds():

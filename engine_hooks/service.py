@@ -59,7 +59,6 @@ from cache_manager.cache_data import (
 )
 from cache_manager.engine_cache_queue import EngineCacheQueueServer
 from cache_manager.ipc_signal import IPCSignal
-from ops.shm import unlink_segments
 
 from .device_caches import CacheSpec, DeviceCaches
 from .errors import CachesClearedError, ServiceClosed, StartupError
@@ -163,7 +162,7 @@ class CacheTransferService:
         self.log_dir = os.path.abspath(log_dir) if log_dir else default_log_dir()
         self.instance = str(self.port)
 
-        self.platform = ops.get_platform(platform, **({"instance": self.instance} if platform == "cpu" else {}))
+        self.platform = ops.get_platform(platform, instance=self.instance)
         self.caches: DeviceCaches | None = None
         self.signals: dict[str, IPCSignal] = {}
         self.server: EngineCacheQueueServer | None = None
@@ -465,10 +464,9 @@ class CacheTransferService:
         for sig in self.signals.values():
             sig.clear()
         self.signals.clear()
-        if self.platform_name == "cpu":
-            leftovers = unlink_segments(self.platform.segment_prefix)
-            if leftovers:
-                logger.warning("removed %d leftover segments: %s", len(leftovers), leftovers[:5])
+        leftovers = self.platform.remove_orphans()  # what a killed CTM or an old run may have left
+        if leftovers:
+            logger.warning("removed %d leftover segments: %s", len(leftovers), leftovers[:5])
         logger.info("CTM service shut down")
 
     # ------------------------------------------------------------------ inspection

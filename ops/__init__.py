@@ -33,12 +33,15 @@ _current: Platform | None = None
 _current_lock = threading.Lock()
 
 
-def get_platform(name: str, **kwargs: Any) -> Platform:
-    """A new platform instance; an unknown name raises ``ValueError`` listing the known ones."""
+def get_platform(name: str, instance: str | None = None, **kwargs: Any) -> Platform:
+    """A new platform instance; an unknown name raises ``ValueError`` listing the known ones.
+    ``instance`` (an engine's id in IPC names) goes to every platform that takes one."""
     try:
         factory = PLATFORMS[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown platform {name!r}; known platforms: {', '.join(sorted(PLATFORMS))}") from None
+    if instance is not None:
+        kwargs["instance"] = instance
     return factory(**kwargs)
 
 

@@ -66,6 +66,7 @@ class CpuPlatform(Platform):
 
     name = "cpu"
     host_addressable = True
+    takes_instance = True
 
     def __init__(self, instance: str | None = None, copy_threads: int | None = None):
         self.instance = instance or os.environ.get("CTM_INSTANCE", "0")

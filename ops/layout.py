@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .dtypes import CacheDtype, cache_dtype
-from .platform import DEVICE_TO_HOST, HOST_TO_DEVICE
+from .modes import DEVICE_TO_HOST, HOST_TO_DEVICE
 
 
 @dataclass(frozen=True)

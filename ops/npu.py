@@ -94,6 +94,9 @@ class NpuDeviceView:
     def data_ptr(self) -> int:
         return self.ptr
 
+    def element_size(self) -> int:
+        return cache_dtype(self.dtype).itemsize
+
     def is_contiguous(self) -> bool:
         return True
 
@@ -119,6 +122,7 @@ class NpuPlatform(Platform):
     """Ascend NPU through paddle-custom-npu (allocation) and pyACL (memcpy, pinned host memory, IPC)."""
 
     name = "npu"
+    takes_instance = True
 
     def __init__(self, instance: str | None = None, export_flags: int = IPC_EXPORT_DISABLE_PID_VALIDATION):
         self._acl, self._paddle = _import_vendor()
@@ -137,6 +141,11 @@ class NpuPlatform(Platform):
 
     def segment_name(self, name: str) -> str:
         return f"{SEGMENT_PREFIX}{self.instance}.{name}"
+
+    @property
+    def segment_prefix(self) -> str:
+        """Every IPC handle segment this platform instance publishes starts with this."""
+        return f"{SEGMENT_PREFIX}{self.instance}."
 
     # -- device ------------------------------------------------------------
     def set_device(self, device_id: int) -> None:

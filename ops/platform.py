@@ -43,15 +43,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .layout import CopyPlan, HostAllocations, all_layers_plan, layout_plan
+from .modes import DEVICE_TO_HOST, HOST_TO_DEVICE, BlockIds
+
 if TYPE_CHECKING:
     import numpy as np
 
-    from .layout import CopyPlan, HostAllocations
-
-BlockIds = Sequence[int]
-
-DEVICE_TO_HOST = 0
-HOST_TO_DEVICE = 1
+__all__ = ["BlockIds", "CopyPlan", "DEVICE_TO_HOST", "HOST_TO_DEVICE", "HostAllocations", "Platform"]
 
 
 class Platform(ABC):
@@ -61,6 +59,21 @@ class Platform(ABC):
     # True where device memory is ordinary host memory (the CPU platform): a storage
     # backend may then read and write the caches in place, with no staging copy.
     host_addressable: bool = False
+    # True where IPC names carry an engine instance, so two engines on one host never collide:
+    # ``ops.get_platform(name, instance=...)`` passes it only to such platforms.
+    takes_instance: bool = False
+
+    @property
+    def segment_prefix(self) -> str:
+        """The prefix of every shared-memory name this platform instance creates ('' if none)."""
+        return ""
+
+    def remove_orphans(self) -> list[str]:
+        """Remove what a dead engine exported through this platform (its IPC handles and, where
+        the memory itself is shared memory, the memory); the names removed.  Idempotent."""
+        from .shm import unlink_segments
+
+        return unlink_segments(self.segment_prefix) if self.segment_prefix else []
 
     @abstractmethod
     def set_device(self, device_id: int) -> None: ...
@@ -98,14 +111,10 @@ class Platform(ABC):
 
     def plan_all_layers(self, caches: Sequence[Any], host_ptrs: Sequence[int], num_cpu_blocks: int) -> "CopyPlan":
         """The checked plan of ``swap_cache_all_layers``; a CTM builds it once and reuses it per task."""
-        from .layout import all_layers_plan
-
         return all_layers_plan(caches, host_ptrs, num_cpu_blocks, self.host_allocations)
 
     def plan_layout(self, caches: Sequence[Any], host_base_ptr: int, cache_shape: Sequence[int]) -> "CopyPlan":
         """The checked plan of ``swap_cache_layout``."""
-        from .layout import layout_plan
-
         return layout_plan(caches, host_base_ptr, cache_shape, self.host_allocations)
 
     def swap_cache_all_layers(

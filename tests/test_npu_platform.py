@@ -1,5 +1,6 @@
 """The NPU platform on a host without Ascend hardware: its failure mode and its pure helpers."""
 import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -85,3 +86,42 @@ def test_device_view_is_a_copy_operand():
     info = tensor_info(view, "caches[0]")
     assert (info.ptr, info.shape, info.dtype.name) == (0x1000, (8, 2, 16, 64), "bfloat16")
     assert info.nbytes == 8 * 2 * 16 * 64 * 2
+
+
+def test_platforms_say_what_they_can_do_instead_of_being_named():
+    """Capabilities, not names: every platform takes the engine instance into its IPC names, says
+    whether device memory is host memory, and removes what a dead engine exported."""
+    from ops.cpu import CpuPlatform
+
+    assert NpuPlatform.takes_instance and CpuPlatform.takes_instance
+    assert CpuPlatform.host_addressable and not NpuPlatform.host_addressable
+    cpu = ops.get_platform("cpu", instance="capx")
+    assert cpu.segment_prefix.endswith("capx.")
+    npu = NpuPlatform.__new__(NpuPlatform)  # no pyACL here: only the naming is exercised
+    npu.instance = "capy"
+    assert npu.segment_prefix == "ctm.npu.capy." and npu.segment_name("k") == "ctm.npu.capy.k"
+    t = cpu.empty([2, 4], "bfloat16")
+    cpu.set_data_ipc(t, "orphan")
+    removed = cpu.remove_orphans()  # as a CTM does once the engine process is gone
+    assert cpu.segment_name("orphan") in removed
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(cpu.segment_prefix)]
+
+
+def test_npu_device_view_reports_its_element_size():
+    assert NpuDeviceView(4096, (2, 2, 4, 8), "bfloat16", "key_caches_0_rank0.device0").element_size() == 2
+    assert NpuDeviceView(4096, (2, 2, 4, 8), "uint8", "key_caches_0_rank0.device0").element_size() == 1
+
+
+def test_each_rank_s_caches_are_created_on_its_own_device(cpu, monkeypatch):
+    from engine_hooks import CacheSpec
+    from engine_hooks.device_caches import DeviceCaches
+
+    bound = []
+    monkeypatch.setattr(cpu, "set_device", bound.append)
+    caches = DeviceCaches(cpu, CacheSpec(num_layers=1, num_blocks=2, kv_heads=1, block_size=2, head_dim=4), 2, [3, 5])
+    try:
+        caches.create_rank(0)
+        caches.create_rank(1)
+    finally:
+        caches.close()
+    assert bound == [3, 5]
