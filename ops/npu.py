@@ -1,13 +1,16 @@
-"""The Ascend NPU platform: PaddlePaddle with the paddle-custom-device NPU plugin, plus CANN's pyACL.
+"""The Ascend NPU platform: CANN's pyACL (memory, IPC, copies), with PaddlePaddle's NPU plugin where installed.
 
 How each primitive maps to a vendor call (pyACL, the ``acl`` Python module of the CANN toolkit).
 Every pyACL call returns an ``aclError`` int (0 = ACL_SUCCESS); any other code raises
 ``RuntimeError`` naming the call and the code.
 
 ``set_device``            ``acl.rt.set_device(device_id)`` -> ``ret`` (binds the calling *thread*, so it
-                          runs once per thread) and ``paddle.device.set_device("npu:N")``.
-``empty`` / ``free``      ``paddle.empty(shape, dtype)`` on the ``npu:N`` place, so the model runner gets a
-                          real paddle tensor; ``free`` drops this platform's reference.
+                          runs once per thread) and, with paddle-custom-npu, ``paddle.device.set_device``.
+``empty`` / ``free``      ``acl.rt.malloc(size, ACL_MEM_MALLOC_HUGE_FIRST)`` -> ``(dev_ptr, ret)`` /
+                          ``acl.rt.free``: the documented export flow exports aclrtMalloc memory (an
+                          interior range of paddle's pool is not documented as exportable).  The result
+                          is an ``NpuDeviceView``; a model runner with its own paddle tensors exports
+                          those instead.
 ``set_data_ipc``          ``acl.rt.ipc_mem_get_export_key(dev_ptr, size, 65, flags)`` -> ``(key, ret)``;
                           the key goes into a small shared-memory handle ``ctm.npu.<instance>.<name>``
                           (``ops.shm``), so the CTM finds it by the FastDeploy cache name.
@@ -17,10 +20,13 @@ Every pyACL call returns an ``aclError`` int (0 = ACL_SUCCESS); any other code r
 ``unset_data_ipc``        ``acl.rt.ipc_mem_close(key)``: importers first, the exporter last (CANN docs).
 ``host_alloc``/``free``   ``acl.rt.malloc_host(size)`` -> ``(ptr, ret)`` (page-locked, 64-byte aligned) /
                           ``acl.rt.free_host(ptr)`` -> ``ret``.
-``swap_cache_*``          ``acl.rt.memcpy(dst, dest_max, src, count, kind)`` -> ``ret``, kind 1 host->device,
-                          2 device->host; one call per run of consecutive ids (``merge_runs``).
-                          The call is synchronous but does not synchronise streams: the engine must have
-                          finished writing a block before it asks for a device->host swap.
+``swap_cache_*``          one batched copy per plan where the runtime has it (CANN >= 8.5,
+                          ``acl.rt.memcpy_batch_async(dsts, dest_maxs, srcs, sizes, attrs, attrs_indexes,
+                          stream)``, modelled on ``aclrtMemcpyBatchAsync``), else ``acl.rt.memcpy_async``
+                          per run of consecutive ids (``merge_runs``) on the thread's stream; then one
+                          ``acl.rt.synchronize_stream``.  ``ACL_ERROR_RT_FEATURE_NOT_SUPPORT`` from the
+                          batch switches the platform to the async path for good.  Neither waits for the
+                          engine's compute streams: a block must be written before its swap-out is asked.
 ``memory_allocated``      bytes of live ``empty`` allocations (``paddle.device.memory_allocated("npu:N")``
                           would count every tensor of the process, not only the caches).
 """
@@ -47,6 +53,9 @@ ACL_SUCCESS = 0
 ACL_ERROR_REPEAT_INITIALIZE = 100002
 ACL_MEMCPY_HOST_TO_DEVICE = 1
 ACL_MEMCPY_DEVICE_TO_HOST = 2
+ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
+ACL_MEM_MALLOC_HUGE_FIRST = 0
+MAX_BATCH = 4096  # copies per batched call; longer plans go in several batches
 IPC_KEY_LEN = 65  # "key的长度，固定配置为65" (aclrtIpcMemGetExportKey)
 # 1 = ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION.  Ambiguous across CANN versions: 8.2 documents
 # the flag as reserved ("固定配置为0", importers must be whitelisted with acl.rt.ipc_mem_set_import_pid);
@@ -54,6 +63,7 @@ IPC_KEY_LEN = 65  # "key的长度，固定配置为65" (aclrtIpcMemGetExportKey)
 # allow_import_pids() with the CTMs' pids (from aclrtDeviceGetBareTgid in the importer).
 IPC_EXPORT_DISABLE_PID_VALIDATION = 1
 IPC_IMPORT_FLAG_DEFAULT = 0  # same device: no peer access needed
+ACL_MEM_LOC_HOST, ACL_MEM_LOC_DEVICE = 0, 1  # aclrtMemLocationType, for the batched copy's attributes
 
 SEGMENT_PREFIX = "ctm.npu."
 # magic, format version, export key, nbytes, dtype name, exporter device id
@@ -102,6 +112,7 @@ class NpuDeviceView:
 
 
 def _import_vendor() -> tuple[Any, Any]:
+    """pyACL (required) and paddle with its NPU plugin (None where paddle-custom-npu is absent)."""
     hint = "the embedded default platform is 'cpu' (CTM_PLATFORM=cpu)"
     try:
         import acl  # CANN pyACL: source <cann>/set_env.sh
@@ -111,11 +122,9 @@ def _import_vendor() -> tuple[Any, Any]:
         ) from exc
     try:
         import paddle
-    except ImportError as exc:
-        raise RuntimeError(f"the NPU platform needs the 'paddle' package ({exc}); {hint}") from exc
-    if "npu" not in (paddle.device.get_all_custom_device_type() or []):
-        raise RuntimeError(f"paddle has no 'npu' custom device: install paddle-custom-npu; {hint}")
-    return acl, paddle
+    except ImportError:
+        return acl, None
+    return acl, paddle if "npu" in (paddle.device.get_all_custom_device_type() or []) else None
 
 
 class NpuPlatform(Platform):
@@ -138,6 +147,7 @@ class NpuPlatform(Platform):
         self._device: dict[int, tuple[Any, int, int]] = {}  # data_ptr -> (tensor, nbytes, device id)
         self._exports: dict[str, tuple[str, int]] = {}  # name -> (key, data_ptr)
         self._attached: dict[int, str] = {}  # imported data_ptr -> key
+        self._batch_supported = hasattr(self._acl.rt, "memcpy_batch_async")
 
     def segment_name(self, name: str) -> str:
         return f"{SEGMENT_PREFIX}{self.instance}.{name}"
@@ -154,8 +164,10 @@ class NpuPlatform(Platform):
         device_id = int(device_id)
         if getattr(self._tls, "device", None) != device_id:
             check_acl(self._acl.rt.set_device(device_id), f"acl.rt.set_device({device_id})")
-            self._paddle.device.set_device(f"npu:{device_id}")
+            if self._paddle is not None:
+                self._paddle.device.set_device(f"npu:{device_id}")
             self._tls.device = device_id
+            self._tls.stream = None
         self.device_id = device_id
 
     def empty(self, shape: Sequence[int], dtype: Any) -> Any:
@@ -164,9 +176,12 @@ class NpuPlatform(Platform):
             raise ValueError(f"shape {shape} must have positive dimensions")
         dt = cache_dtype(dtype)
         self.set_device(self.device_id)
-        tensor = self._paddle.empty(shape, dtype=dt.name)
+        nbytes = math.prod(shape) * dt.itemsize
+        ptr, ret = self._acl.rt.malloc(nbytes, ACL_MEM_MALLOC_HUGE_FIRST)
+        check_acl(ret, f"acl.rt.malloc({nbytes})")
+        tensor = NpuDeviceView(int(ptr), tuple(shape), dt.name, f"npu:{self.device_id}")
         with self._lock:
-            self._device[int(tensor.data_ptr())] = (tensor, math.prod(shape) * dt.itemsize, self.device_id)
+            self._device[int(ptr)] = (tensor, nbytes, self.device_id)
         return tensor
 
     def free(self, tensor: Any) -> None:
@@ -178,6 +193,7 @@ class NpuPlatform(Platform):
         for name in names:
             logger.warning("freeing %r while exported; withdrawing the export", name)
             self.unset_data_ipc(None, name, close_ipc=False, unlink_shm=True)
+        check_acl(self._acl.rt.free(ptr), "acl.rt.free")  # exports are closed first, as the docs order
 
     # -- IPC ---------------------------------------------------------------
     def set_data_ipc(self, tensor: Any, name: str) -> None:
@@ -287,14 +303,70 @@ class NpuPlatform(Platform):
             runs = merge_runs(src_ids, dst_ids)
         else:  # block-major staging: consecutive ids are not adjacent in memory
             runs = [(s, d, 1) for s, d in zip(src_ids.tolist(), dst_ids.tolist())]
+        copies = []  # (dst, dest_max, src, count) for every run of every layer
         for layer in range(len(src.bases)):
             sbase, dbase = int(src.bases[layer]), int(dst.bases[layer])
             dend = dbase + (int(dst.capacities[layer]) - 1) * dst.stride + bb  # end of the last valid block
             for s, d, n in runs:
                 daddr = dbase + d * dst.stride
-                check_acl(self._acl.rt.memcpy(daddr, dend - daddr, sbase + s * src.stride, n * bb, kind),
-                          f"acl.rt.memcpy({src.name}->{dst.name}, layer {layer})")
-        return len(runs) * len(src.bases)
+                copies.append((daddr, dend - daddr, sbase + s * src.stride, n * bb))
+        self._copy(copies, kind, f"{src.name}->{dst.name}")
+        return len(copies)
+
+    def _stream(self) -> Any:
+        """The calling thread's stream on its device (streams belong to a device, as set_device does)."""
+        self.set_device(self.device_id)
+        stream = getattr(self._tls, "stream", None)
+        if stream is None:
+            stream, ret = self._acl.rt.create_stream()
+            check_acl(ret, "acl.rt.create_stream")
+            self._tls.stream = stream
+        return stream
+
+    def _copy(self, copies: list[tuple[int, int, int, int]], kind: int, what: str) -> None:
+        """Every copy of a plan, then one synchronize: batched where the runtime can, else async."""
+        if not copies:
+            return
+        stream = self._stream()
+        dst_loc, src_loc = ((ACL_MEM_LOC_DEVICE, ACL_MEM_LOC_HOST) if kind == ACL_MEMCPY_HOST_TO_DEVICE
+                            else (ACL_MEM_LOC_HOST, ACL_MEM_LOC_DEVICE))
+        queued = False
+        if self._batch_supported:
+            for start in range(0, len(copies), MAX_BATCH):
+                part = copies[start:start + MAX_BATCH]
+                dsts, maxes, srcs, sizes = (list(c) for c in zip(*part))
+                attr = self._acl.rt.MemcpyBatchAttr(dst_loc, src_loc)
+                fail, ret = self._acl.rt.memcpy_batch_async(dsts, maxes, srcs, sizes, [attr], [0], stream)
+                if ret == ACL_ERROR_RT_FEATURE_NOT_SUPPORT and not queued:
+                    logger.warning("this runtime has no batched copy (aclrtMemcpyBatchAsync): async copies instead")
+                    self._batch_supported = False
+                    break
+                check_acl(ret, f"acl.rt.memcpy_batch_async({what}, copy {fail})")
+                queued = True
+        if not self._batch_supported:
+            for dst, dest_max, src, count in copies:
+                check_acl(self._acl.rt.memcpy_async(dst, dest_max, src, count, kind, stream),
+                          f"acl.rt.memcpy_async({what})")
+        check_acl(self._acl.rt.synchronize_stream(stream), f"acl.rt.synchronize_stream({what})")
+
+    def read_bytes(self, tensor: Any) -> np.ndarray:
+        """A host copy of a device cache's bytes, ``[num_blocks, block_bytes]`` (tests, diagnostics)."""
+        info = tensor_info(tensor, "tensor")
+        out = np.empty(info.nbytes, dtype=np.uint8)
+        self.set_device(self.device_id)
+        check_acl(self._acl.rt.memcpy(out.ctypes.data, out.nbytes, info.ptr, info.nbytes, ACL_MEMCPY_DEVICE_TO_HOST),
+                  "acl.rt.memcpy(read_bytes)")
+        return out.reshape(info.shape[0], -1)
+
+    def write_bytes(self, tensor: Any, data: np.ndarray) -> None:
+        """Overwrite a device cache with ``data`` (its exact size in bytes)."""
+        info = tensor_info(tensor, "tensor")
+        data = np.ascontiguousarray(data, dtype=np.uint8)
+        if data.nbytes != info.nbytes:
+            raise ValueError(f"write_bytes: {data.nbytes} bytes for a cache of {info.nbytes}")
+        self.set_device(self.device_id)
+        check_acl(self._acl.rt.memcpy(info.ptr, info.nbytes, data.ctypes.data, data.nbytes, ACL_MEMCPY_HOST_TO_DEVICE),
+                  "acl.rt.memcpy(write_bytes)")
 
     def memory_allocated(self, device_id: int | None = None) -> int:
         with self._lock:
