@@ -128,6 +128,18 @@ class CpuPlatform(Platform):
         view = np.frombuffer(alloc.segment.buf, dtype=np.uint8, count=info.nbytes, offset=offset)
         return view.reshape(info.shape[0], -1)
 
+    def read_bytes(self, tensor: Any) -> np.ndarray:
+        """A host copy of a device cache's bytes, ``[num_blocks, block_bytes]``."""
+        return self.raw_view(tensor).copy()
+
+    def write_bytes(self, tensor: Any, data: np.ndarray) -> None:
+        """Overwrite a device cache with ``data`` (its exact size in bytes)."""
+        view = self.raw_view(tensor)
+        data = np.ascontiguousarray(data, dtype=np.uint8)
+        if data.nbytes != view.nbytes:
+            raise ValueError(f"write_bytes: {data.nbytes} bytes for a cache of {view.nbytes}")
+        view.reshape(-1)[:] = data.reshape(-1)
+
     # -- IPC ---------------------------------------------------------------
     def set_data_ipc(self, tensor: Any, name: str) -> None:
         info = tensor_info(tensor, f"tensor exported as {name!r}")

@@ -187,12 +187,15 @@ class NpuPlatform(Platform):
     def free(self, tensor: Any) -> None:
         ptr = int(tensor.data_ptr())
         with self._lock:
-            if self._device.pop(ptr, None) is None:
+            entry = self._device.pop(ptr, None)
+            if entry is None:
                 raise ValueError(f"tensor at {ptr:#x} was not allocated by empty()")
+            device = entry[2]
             names = [n for n, (_, p) in self._exports.items() if p == ptr]
         for name in names:
             logger.warning("freeing %r while exported; withdrawing the export", name)
             self.unset_data_ipc(None, name, close_ipc=False, unlink_shm=True)
+        self.set_device(device)
         check_acl(self._acl.rt.free(ptr), "acl.rt.free")  # exports are closed first, as the docs order
 
     # -- IPC ---------------------------------------------------------------
@@ -349,11 +352,17 @@ class NpuPlatform(Platform):
                           f"acl.rt.memcpy_async({what})")
         check_acl(self._acl.rt.synchronize_stream(stream), f"acl.rt.synchronize_stream({what})")
 
+    def _device_of(self, ptr: int) -> int:
+        """The device an allocation of ``empty`` lives on (copies must run on it); else the current one."""
+        with self._lock:
+            entry = self._device.get(ptr)
+        return entry[2] if entry is not None else self.device_id
+
     def read_bytes(self, tensor: Any) -> np.ndarray:
         """A host copy of a device cache's bytes, ``[num_blocks, block_bytes]`` (tests, diagnostics)."""
         info = tensor_info(tensor, "tensor")
         out = np.empty(info.nbytes, dtype=np.uint8)
-        self.set_device(self.device_id)
+        self.set_device(self._device_of(info.ptr))
         check_acl(self._acl.rt.memcpy(out.ctypes.data, out.nbytes, info.ptr, info.nbytes, ACL_MEMCPY_DEVICE_TO_HOST),
                   "acl.rt.memcpy(read_bytes)")
         return out.reshape(info.shape[0], -1)
@@ -364,7 +373,7 @@ class NpuPlatform(Platform):
         data = np.ascontiguousarray(data, dtype=np.uint8)
         if data.nbytes != info.nbytes:
             raise ValueError(f"write_bytes: {data.nbytes} bytes for a cache of {info.nbytes}")
-        self.set_device(self.device_id)
+        self.set_device(self._device_of(info.ptr))
         check_acl(self._acl.rt.memcpy(info.ptr, info.nbytes, data.ctypes.data, data.nbytes, ACL_MEMCPY_HOST_TO_DEVICE),
                   "acl.rt.memcpy(write_bytes)")
 

@@ -68,6 +68,14 @@ class Platform(ABC):
         """The prefix of every shared-memory name this platform instance creates ('' if none)."""
         return ""
 
+    @abstractmethod
+    def read_bytes(self, tensor: Any) -> "np.ndarray":
+        """A host copy of a device cache's bytes, ``[num_blocks, block_bytes]`` (tests, diagnostics)."""
+
+    @abstractmethod
+    def write_bytes(self, tensor: Any, data: "np.ndarray") -> None:
+        """Overwrite a device cache with ``data``, exactly its size in bytes."""
+
     def remove_orphans(self) -> list[str]:
         """Remove what a dead engine exported through this platform (its IPC handles and, where
         the memory itself is shared memory, the memory); the names removed.  Idempotent."""
