@@ -103,3 +103,20 @@ def test_a_bad_block_id_copies_nothing(acl, tmp_path):
             ctm.unset_data_ipc(view, name, close_ipc=True)
             engine.unset_data_ipc(t, name, close_ipc=False, unlink_shm=True)
             engine.free(t)
+
+
+def test_check_npu_script_verifies_round_trips_over_the_standin(tmp_path):
+    """scripts/check_npu.py, the check an Ascend host runs, end to end over the pyACL stand-in."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parent.parent
+    (tmp_path / "acl").mkdir()
+    env = {**os.environ, "PYTHONPATH": STANDINS, "ACL_STANDIN_DIR": str(tmp_path / "acl")}
+    proc = subprocess.run([sys.executable, str(repo / "scripts" / "check_npu.py"), "--blocks", "16",
+                           "--block-bytes", "4096", "--layers", "2", "--repeat", "1"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["bit_exact"] is True and result["d2h_gbps"] > 0 and result["h2d_ratio"] > 0
+    assert "bit-exact" in proc.stdout
