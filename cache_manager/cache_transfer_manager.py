@@ -126,6 +126,9 @@ def _flag(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is not a boolean")
 
 
+NPU_COPY_ENGINE_DEFAULT = "acl"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("cache_transfer_manager", description="KV-cache transfer manager for one TP rank")
     p.add_argument("--splitwise_role", default="mixed", choices=["mixed", "prefill", "decode"])
@@ -156,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model_path", default="")
     # this project's own
     p.add_argument("--platform", default=os.environ.get("CTM_PLATFORM", "cpu"), choices=sorted(ops.PLATFORMS))
+    p.add_argument("--npu_copy_engine", default=NPU_COPY_ENGINE_DEFAULT, choices=ops.copy_engines("npu"),
+                   help="how the NPU platform moves swap-space blocks: acl (pyACL batched copies) or llm_datadist "
+                        "(LLM-DataDist swap_blocks); given only to platforms with copy engines (see CacheTransferManager)")
     p.add_argument("--ipc_suffix", default=None,
                    help="FastDeploy passes this in some versions; accepted, signals use --engine_worker_queue_port")
     p.add_argument("--ipc_instance", default=None, help="instance id in CPU segment names (default: engine_worker_queue_port)")
@@ -244,7 +250,11 @@ class CacheTransferManager:
         self.rank = args.rank
         self.spec = spec_from_args(args)
         self.instance = args.ipc_instance or str(args.engine_worker_queue_port)
-        self.platform = ops.get_platform(args.platform, instance=self.instance)
+        # --npu_copy_engine goes to a platform that has copy engines (ops.copy_engines); on one without,
+        # its default is a no-op and any other value is passed on, so get_platform refuses it by name.
+        engine = args.npu_copy_engine
+        wanted = engine if ops.copy_engines(args.platform) or engine != NPU_COPY_ENGINE_DEFAULT else None
+        self.platform = ops.get_platform(args.platform, instance=self.instance, copy_engine=wanted)
         ops.use_platform(self.platform)
         self.parent_pid = os.getppid()
         self.stop_event = threading.Event()

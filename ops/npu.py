@@ -29,6 +29,13 @@ Every pyACL call returns an ``aclError`` int (0 = ACL_SUCCESS); any other code r
                           engine's compute streams: a block must be written before its swap-out is asked.
 ``memory_allocated``      bytes of live ``empty`` allocations (``paddle.device.memory_allocated("npu:N")``
                           would count every tensor of the process, not only the caches).
+
+Copy engines (``copy_engine``, CTM flag ``--npu_copy_engine``): ``"acl"`` (default) runs every plan as
+above; ``"llm_datadist"`` routes the swap-space plans that ``plan_all_layers`` returned to LLM-DataDist's
+``swap_blocks`` (``ops.npu_datadist.DataDistCopier``, built on the first such plan, which registers its
+device caches at once so a documented limit fails a CTM at start), on the calling thread's device; the
+block-major storage staging plans keep the pyACL copies.  Freeing memory (``free``, closing an import,
+``host_free``) unregisters it from LLM-DataDist first, and the last one finalises it.
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ import math
 import os
 import struct
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -63,6 +71,7 @@ IPC_KEY_LEN = 65  # "key的长度，固定配置为65" (aclrtIpcMemGetExportKey)
 # allow_import_pids() with the CTMs' pids (from aclrtDeviceGetBareTgid in the importer).
 IPC_EXPORT_DISABLE_PID_VALIDATION = 1
 IPC_IMPORT_FLAG_DEFAULT = 0  # same device: no peer access needed
+COPY_ENGINES = ("acl", "llm_datadist")  # pyACL copies; LLM-DataDist's swap_blocks for swap space
 ACL_MEM_LOC_HOST, ACL_MEM_LOC_DEVICE = 0, 1  # aclrtMemLocationType, for the batched copy's attributes
 
 SEGMENT_PREFIX = "ctm.npu."
@@ -132,8 +141,13 @@ class NpuPlatform(Platform):
 
     name = "npu"
     takes_instance = True
+    copy_engines = COPY_ENGINES
 
-    def __init__(self, instance: str | None = None, export_flags: int = IPC_EXPORT_DISABLE_PID_VALIDATION):
+    def __init__(self, instance: str | None = None, export_flags: int = IPC_EXPORT_DISABLE_PID_VALIDATION,
+                 copy_engine: str = "acl"):
+        if copy_engine not in self.copy_engines:
+            raise ValueError(f"copy_engine {copy_engine!r} is not one of the NPU platform's: {', '.join(self.copy_engines)}")
+        self.copy_engine = copy_engine
         self._acl, self._paddle = _import_vendor()
         ret = self._acl.init()
         if ret not in (ACL_SUCCESS, ACL_ERROR_REPEAT_INITIALIZE):  # the paddle plugin may have initialised ACL
@@ -148,6 +162,8 @@ class NpuPlatform(Platform):
         self._exports: dict[str, tuple[str, int]] = {}  # name -> (key, data_ptr)
         self._attached: dict[int, str] = {}  # imported data_ptr -> key
         self._batch_supported = hasattr(self._acl.rt, "memcpy_batch_async")
+        self._datadist: Any = None  # DataDistCopier, built on the first swap-space plan (copy_engine llm_datadist)
+        self._swap_plans: dict[int, weakref.ref] = {}  # id(plan) -> plan, for plans of plan_all_layers
 
     def segment_name(self, name: str) -> str:
         return f"{SEGMENT_PREFIX}{self.instance}.{name}"
@@ -195,6 +211,7 @@ class NpuPlatform(Platform):
         for name in names:
             logger.warning("freeing %r while exported; withdrawing the export", name)
             self.unset_data_ipc(None, name, close_ipc=False, unlink_shm=True)
+        self._forget(ptr)
         self.set_device(device)
         check_acl(self._acl.rt.free(ptr), "acl.rt.free")  # exports are closed first, as the docs order
 
@@ -268,6 +285,7 @@ class NpuPlatform(Platform):
             with self._lock:
                 key = self._attached.pop(int(tensor.data_ptr()), None)
             if key is not None:
+                self._forget(int(tensor.data_ptr()))
                 check_acl(self._acl.rt.ipc_mem_close(key), f"acl.rt.ipc_mem_close({name!r})")
         if unlink_shm:
             SharedMemorySegment.unlink_name(self.segment_name(name))
@@ -288,6 +306,7 @@ class NpuPlatform(Platform):
 
     def host_free(self, ptr: int) -> None:
         self._hosts.pop(ptr)
+        self._forget(ptr)
         check_acl(self._acl.rt.free_host(ptr), "acl.rt.free_host")
 
     # -- copies ------------------------------------------------------------
@@ -295,7 +314,44 @@ class NpuPlatform(Platform):
     def host_allocations(self) -> HostAllocations:
         return self._hosts
 
+    def plan_all_layers(self, caches: Sequence[Any], host_ptrs: Sequence[int], num_cpu_blocks: int) -> CopyPlan:
+        plan = super().plan_all_layers(caches, host_ptrs, num_cpu_blocks)
+        if self.copy_engine == "llm_datadist":
+            self._copier().prepare(plan)  # registers now: a documented limit fails a CTM at start
+            key, plans = id(plan), self._swap_plans
+            plans[key] = weakref.ref(plan, lambda _ref: plans.pop(key, None))
+        return plan
+
+    def _copier(self) -> Any:
+        """The LLM-DataDist copier of this process's device, built on first use on the calling thread."""
+        self.set_device(self.device_id)
+        with self._lock:
+            if self._datadist is None:
+                from .npu_datadist import DataDistCopier
+
+                self._datadist = DataDistCopier(self.device_id)
+            elif self._datadist.device_id != self.device_id:
+                raise RuntimeError(f"LLM-DataDist was initialised on npu:{self._datadist.device_id}; "
+                                   f"this platform now runs on npu:{self.device_id}")
+            return self._datadist
+
+    def _forget(self, ptr: int) -> None:
+        """Memory at ``ptr`` is being freed: unregister it from LLM-DataDist; finalise it when nothing is left."""
+        copier = self._datadist
+        if copier is None or copier.forget(ptr):
+            return
+        with self._lock:
+            if self._datadist is copier:
+                self._datadist = None
+        copier.close()
+
+    def _is_swap_plan(self, plan: CopyPlan) -> bool:
+        ref = self._swap_plans.get(id(plan))
+        return ref is not None and ref() is plan
+
     def run_plan(self, plan: CopyPlan, device_ids: BlockIds, host_ids: BlockIds, mode: int) -> int:
+        if self.copy_engine == "llm_datadist" and self._is_swap_plan(plan):
+            return self._copier().run(plan, device_ids, host_ids, mode)  # binds the thread to the device
         c = orient(plan, device_ids, host_ids, mode)
         src, dst, src_ids, dst_ids = c.src, c.dst, c.src_ids, c.dst_ids
         kind = ACL_MEMCPY_DEVICE_TO_HOST if c.mode == DEVICE_TO_HOST else ACL_MEMCPY_HOST_TO_DEVICE

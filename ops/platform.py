@@ -62,6 +62,9 @@ class Platform(ABC):
     # True where IPC names carry an engine instance, so two engines on one host never collide:
     # ``ops.get_platform(name, instance=...)`` passes it only to such platforms.
     takes_instance: bool = False
+    # The copy engines the platform offers (the first is its default), chosen with
+    # ``ops.get_platform(name, copy_engine=...)``; () where the platform has one fixed way to copy.
+    copy_engines: tuple[str, ...] = ()
 
     @property
     def segment_prefix(self) -> str:
