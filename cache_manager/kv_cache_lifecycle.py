@@ -84,7 +84,7 @@ class KvCacheLifecycle:
         """Why a task cannot run now, or None while the caches are attached and normal."""
         status = self.status()
         if self.cleared or status == KVCacheStatus.CLEARED:  # tasks received before the clear began drain
-            name = KVCacheStatus(status).name if status in KVCacheStatus._value2member_map_ else str(status)
+            name = next((m.name for m in KVCacheStatus if m == status), str(status))
             return (f"kv caches of rank {self.ctm.rank} are cleared for a weight update (kv_cache_status {name}); "
                     f"restore them first")
         return None
