@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,73 +15,26 @@ import ops
 from ops.modes import DEVICE_TO_HOST, HOST_TO_DEVICE
 from ops.npu import NpuDeviceView
 from ops.npu_datadist import split_by_source
+from tests.npu_helpers import (BLOCK_BYTES, LAYERS, SHAPE, Rig, forget_standin_modules, leftovers,
+                               scattered_swaps_are_bit_exact, use_acl_standin)
 
-STANDINS = str(Path(__file__).resolve().parent / "standins")
-SHAPE = (16, 2, 4, 8)  # [blocks, heads, block_size, head_dim]: 128 bytes of bf16 per block
-BLOCK_BYTES = 128
-LAYERS = 3
 NUM_CPU = 8
 
 
 @pytest.fixture
 def standins(tmp_path, monkeypatch):
     """(acl, llm_datadist) stand-in modules, sharing $ACL_STANDIN_DIR."""
-    monkeypatch.syspath_prepend(STANDINS)
-    (tmp_path / "acl").mkdir()
-    monkeypatch.setenv("ACL_STANDIN_DIR", str(tmp_path / "acl"))
+    use_acl_standin(tmp_path, monkeypatch)
     import acl
     import llm_datadist
 
     yield acl, llm_datadist
-    for name in [m for m in sys.modules if m.split(".")[0] in ("acl", "llm_datadist")]:
-        del sys.modules[name]
-
-
-class Rig:
-    """An engine platform that exports per-layer caches and a CTM platform (LLM-DataDist copies)
-    that imports them and owns the host swap space, as in a service."""
-
-    def __init__(self, layers: int = LAYERS):
-        from ops.npu import NpuPlatform
-
-        self.engine, self.ctm = NpuPlatform(instance="dd"), NpuPlatform(instance="dd", copy_engine="llm_datadist")
-        self.engine.set_device(0)
-        self.ctm.set_device(0)
-        rng = np.random.default_rng(0)
-        self.exported, self.attached, self.host = [], [], []
-        for layer in range(layers):
-            t = self.engine.empty(list(SHAPE), "bfloat16")
-            self.engine.write_bytes(t, rng.integers(0, 256, (SHAPE[0], BLOCK_BYTES), dtype=np.uint8))
-            self.engine.set_data_ipc(t, self.name(layer))
-            self.exported.append(t)
-            self.attached.append(self.ctm.share_external_data_(SimpleNamespace(dtype="bfloat16"), self.name(layer),
-                                                               list(SHAPE)))
-            self.host.append(self.ctm.host_alloc(NUM_CPU * BLOCK_BYTES))
-        self.plan = self.ctm.plan_all_layers(self.attached, self.host, NUM_CPU)
-
-    @staticmethod
-    def name(layer: int) -> str:
-        return f"key_caches_{layer}_rank0.device0"
-
-    def read(self) -> list[np.ndarray]:
-        return [self.engine.read_bytes(t) for t in self.exported]
-
-    def zero(self) -> None:
-        for t in self.exported:
-            self.engine.write_bytes(t, np.zeros((SHAPE[0], BLOCK_BYTES), np.uint8))
-
-    def close(self) -> None:
-        for ptr in self.host:
-            self.ctm.host_free(ptr)
-        for layer, (t, view) in enumerate(zip(self.exported, self.attached)):
-            self.ctm.unset_data_ipc(view, self.name(layer), close_ipc=True)  # unregisters from LLM-DataDist first
-            self.engine.unset_data_ipc(t, self.name(layer), close_ipc=False, unlink_shm=True)
-            self.engine.free(t)
+    forget_standin_modules()
 
 
 @pytest.fixture
 def rig(standins):
-    made = Rig()
+    made = Rig(copy_engine="llm_datadist", num_cpu=NUM_CPU)
     yield made
     made.close()
     assert made.ctm._datadist is None, "the last free should finalise LLM-DataDist"
@@ -178,7 +129,7 @@ def test_the_documented_limits_fail_the_plan_with_a_clear_error(standins):
 def test_a_swap_in_on_a_full_device_fails_and_leaves_the_destination_unchanged(standins, monkeypatch):
     acl, dd = standins
     monkeypatch.setenv("ACL_STANDIN_DEVICE_BYTES", str(256 << 10))  # 64 pages
-    made = Rig()
+    made = Rig(copy_engine="llm_datadist", num_cpu=NUM_CPU)
     filler = []
     try:
         want = made.read()
@@ -219,7 +170,7 @@ def test_the_standin_contract(standins, tmp_path):
         dd.Cache.create_cpu_cache(dd.CacheDesc(2, [4, 64], dd.DataType.DT_BF16, dd.Placement.HOST), [4096])
     from ops.npu import NpuPlatform
 
-    rig = Rig(layers=2)
+    rig = Rig(copy_engine="llm_datadist", layers=2, num_cpu=NUM_CPU)
     try:
         rig.ctm.run_plan(rig.plan, [0], [0], DEVICE_TO_HOST)  # build the caches
         manager = rig.ctm._datadist._manager
@@ -258,23 +209,13 @@ def test_a_service_swaps_through_llm_datadist(tmp_path, monkeypatch):
     """The whole system: real CTM processes on --platform npu --npu_copy_engine llm_datadist."""
     from engine_hooks import TaskFailedError
     from tests.service_helpers import SMALL, start_service
-    from tests.test_platform_service import blocks, clear, fill, leftovers, same
 
-    acl_dir = tmp_path / "acl"
-    acl_dir.mkdir()
-    monkeypatch.syspath_prepend(STANDINS)
-    monkeypatch.setenv("ACL_STANDIN_DIR", str(acl_dir))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (STANDINS, os.environ.get("PYTHONPATH")) if p))
+    acl_dir = use_acl_standin(tmp_path, monkeypatch)
     try:
         svc = start_service(SMALL, platform="npu", extra_flags={"npu_copy_engine": "llm_datadist"})
         port = svc.port
         try:
-            fill(svc, seed=7)
-            want = blocks(svc, [1, 4, 5, 9])
-            svc.swap_to_cpu([1, 4, 5, 9], [0, 2, 3, 7]).result(timeout=30)
-            clear(svc, range(SMALL.num_blocks))
-            svc.swap_to_gpu([10, 11, 12, 15], [0, 2, 3, 7]).result(timeout=30)
-            assert same(blocks(svc, [10, 11, 12, 15]), want)
+            assert scattered_swaps_are_bit_exact(svc, seed=7)
             # The ranks really swap through LLM-DataDist: its 5th swap_blocks (2 cache kinds x 2 tasks so far) fails.
             (acl_dir / "llm_datadist_faults.json").write_text(json.dumps({"fail": {"swap_blocks": 5}}))
             with pytest.raises(TaskFailedError, match="swap_blocks"):
@@ -285,5 +226,4 @@ def test_a_service_swaps_through_llm_datadist(tmp_path, monkeypatch):
             svc.shutdown()
         assert leftovers(port) == []
     finally:
-        for name in [m for m in sys.modules if m.split(".")[0] in ("acl", "llm_datadist")]:
-            del sys.modules[name]
+        forget_standin_modules()

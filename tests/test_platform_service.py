@@ -16,62 +16,24 @@ import textwrap
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from engine_hooks import RankDiedError
-from tests.service_helpers import SMALL, process_gone, segments_of, start_service
+from tests.npu_helpers import (blocks, clear, fill, forget_standin_modules, leftovers, same,
+                               scattered_swaps_are_bit_exact, use_acl_standin)
+from tests.service_helpers import SMALL, process_gone, start_service
 from transfer_factory.keys import chain_hash_ids
 
 REPO = str(Path(__file__).resolve().parent.parent)
-STANDINS = str(Path(__file__).resolve().parent / "standins")
 
 
 @pytest.fixture(params=["cpu", "npu"])
 def platform(request, tmp_path, monkeypatch):
     """The platform's name, with the stand-in on the path of this process and of its CTMs for npu."""
     if request.param == "npu":
-        acl_dir = tmp_path / "acl"
-        acl_dir.mkdir()
-        monkeypatch.syspath_prepend(STANDINS)
-        monkeypatch.setenv("ACL_STANDIN_DIR", str(acl_dir))
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (STANDINS, os.environ.get("PYTHONPATH")) if p))
+        use_acl_standin(tmp_path, monkeypatch)
     yield request.param
-    for name in [m for m in sys.modules if m == "acl" or m.startswith("acl.")]:
-        del sys.modules[name]
-
-
-def leftovers(port: int) -> list[str]:
-    """Segments and NPU IPC handles the service with this port could leave behind."""
-    return segments_of(port) + sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"ctm.npu.{port}."))
-
-
-def caches(svc) -> dict:
-    """(rank, kind, layer) -> device tensor."""
-    return {(r, kind, layer): t for r, per_rank in enumerate(svc.caches.tensors)
-            for kind, layers in per_rank.items() for layer, t in enumerate(layers)}
-
-
-def fill(svc, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    for t in caches(svc).values():
-        shape = svc.platform.read_bytes(t).shape
-        svc.platform.write_bytes(t, rng.integers(0, 256, shape, dtype=np.uint8))
-
-
-def blocks(svc, ids) -> dict:
-    return {k: svc.platform.read_bytes(t)[list(ids)] for k, t in caches(svc).items()}
-
-
-def clear(svc, ids) -> None:
-    for t in caches(svc).values():
-        data = svc.platform.read_bytes(t)
-        data[list(ids)] = 0
-        svc.platform.write_bytes(t, data)
-
-
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    forget_standin_modules()
 
 
 def swap_round_trip(svc, src: int, dst: int, slot: int) -> bool:
@@ -86,12 +48,7 @@ def test_swaps_are_bit_exact(platform):
     svc = start_service(SMALL, platform=platform)
     port = svc.port
     try:
-        fill(svc, seed=1)
-        want = blocks(svc, [1, 4, 5, 9])
-        svc.swap_to_cpu([1, 4, 5, 9], [0, 2, 3, 7]).result(timeout=30)
-        clear(svc, range(SMALL.num_blocks))
-        svc.swap_to_gpu([10, 11, 12, 15], [0, 2, 3, 7]).result(timeout=30)
-        assert same(blocks(svc, [10, 11, 12, 15]), want)
+        assert scattered_swaps_are_bit_exact(svc, seed=1)
     finally:
         svc.shutdown()
     assert leftovers(port) == []
