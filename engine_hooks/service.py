@@ -357,24 +357,25 @@ class CacheTransferService:
 
     def _supervise(self) -> None:
         last_beat = 0.0
-        while not self._stop.is_set():
-            try:
-                last_beat = self._supervise_once(last_beat)
-            except Exception:  # deadlines and the heartbeat must outlive one bad iteration
-                self.supervisor_errors += 1
-                logger.exception("supervisor iteration failed; supervising on")
-                self._stop.wait(_SUPERVISOR_TICK)
-
-    def _supervise_once(self, last_beat: float) -> float:
-        pidfds = self._pidfds()
+        watched: dict[int, tuple[int, int]] = {}  # rank -> (pid, pidfd), kept across ticks
         try:
-            if pidfds:
-                select.select(list(pidfds), [], [], _SUPERVISOR_TICK)
-            else:
-                self._stop.wait(_SUPERVISOR_TICK)
+            while not self._stop.is_set():
+                try:
+                    last_beat = self._supervise_once(last_beat, watched)
+                except Exception:  # deadlines and the heartbeat must outlive one bad iteration
+                    self.supervisor_errors += 1
+                    logger.exception("supervisor iteration failed; supervising on")
+                    self._stop.wait(_SUPERVISOR_TICK)
         finally:
-            for fd in pidfds:
+            for _, fd in watched.values():
                 os.close(fd)
+
+    def _supervise_once(self, last_beat: float, watched: dict[int, tuple[int, int]]) -> float:
+        self._watch_pidfds(watched)
+        if watched:
+            select.select([fd for _, fd in watched.values()], [], [], _SUPERVISOR_TICK)
+        else:
+            self._stop.wait(_SUPERVISOR_TICK)
         now = time.monotonic()
         if now - last_beat >= 1.0:
             self._beat()
@@ -386,18 +387,21 @@ class CacheTransferService:
         self.tracker.expire(now)
         return last_beat
 
-    def _pidfds(self) -> dict[int, int]:
-        fds = {}
+    def _watch_pidfds(self, watched: dict[int, tuple[int, int]]) -> None:
+        """One pidfd per live rank's current process, opened once (a restarted rank gets a new one)."""
+        live = {rank: proc.pid for rank, proc in list(self.procs.items()) if not self.tracker.is_down(rank)}
+        for rank, (pid, fd) in list(watched.items()):
+            if live.get(rank) != pid:
+                os.close(fd)
+                del watched[rank]
         if not hasattr(os, "pidfd_open"):
-            return fds
-        for rank, proc in list(self.procs.items()):
-            if self.tracker.is_down(rank):
-                continue
-            try:
-                fds[os.pidfd_open(proc.pid)] = rank
-            except OSError:
-                pass  # already reaped: the alive() check below sees it
-        return fds
+            return
+        for rank, pid in live.items():
+            if rank not in watched:
+                try:
+                    watched[rank] = (pid, os.pidfd_open(pid))
+                except OSError:
+                    pass  # already reaped: the alive() check sees it
 
     def _rank_died(self, rank: int, proc: RankProcess) -> None:
         code = proc.popen.poll()
