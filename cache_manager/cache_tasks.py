@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .cache_data import CacheStatus
+from .layer_progress import LayerwiseRef
 
 SWAP_EVENTS = (CacheStatus.SWAP2CPU, CacheStatus.SWAP2GPU)
 
@@ -28,6 +29,7 @@ class SwapTask:
     swap_node_ids: list[int]
     gpu_block_ids: list[int]
     cpu_block_ids: list[int]
+    layerwise: LayerwiseRef | None = None  # publish per-layer progress (DESIGN §3.8)
 
     def result(self) -> tuple:
         return (self.event_type, self.task_id, self.swap_node_ids, self.gpu_block_ids, self.cpu_block_ids)
@@ -42,6 +44,7 @@ class ReadStorageTask:
     start_read_block_idx: int = 0
     timeout: float = 30.0
     event_type: int = int(CacheStatus.STORAGE2GPU)
+    layerwise: LayerwiseRef | None = None
 
 
 @dataclass
@@ -52,6 +55,7 @@ class WriteStorageTask:
     gpu_block_ids: list[int]
     timeout: float = 30.0
     event_type: int = int(CacheStatus.GPU2STORAGE)
+    layerwise: LayerwiseRef | None = None
 
 
 @dataclass
@@ -68,7 +72,17 @@ Task = SwapTask | ReadStorageTask | WriteStorageTask | ControlTask
 
 
 def task_to_wire(task: Task) -> dict:
-    return asdict(task)
+    return asdict(task)  # a LayerwiseRef becomes its wire map
+
+
+def _layerwise(d: dict) -> LayerwiseRef | None:
+    value = d.get("layerwise")
+    if value is None:
+        return None
+    try:
+        return LayerwiseRef.from_wire(value)
+    except ValueError as exc:
+        raise TaskFormatError(str(exc)) from None
 
 
 def _int_list(d: dict, key: str) -> list[int]:
@@ -111,7 +125,7 @@ def task_from_wire(d: Any) -> Task:
     task_id = _str(d, "task_id")
     if status in SWAP_EVENTS:
         return SwapTask(event, task_id, _int_list(d, "swap_node_ids"), _int_list(d, "gpu_block_ids"),
-                        _int_list(d, "cpu_block_ids"))
+                        _int_list(d, "cpu_block_ids"), _layerwise(d))
     if status == CacheStatus.CTRL:
         args = d.get("args", {})
         if not isinstance(args, dict):
@@ -128,10 +142,10 @@ def task_from_wire(d: Any) -> Task:
         if not isinstance(start, int) or start < 0:
             raise TaskFormatError(f"start_read_block_idx {start!r} must be a non-negative integer")
         return ReadStorageTask(task_id, keys, _int_list(d, "token_ids"), _int_list(d, "gpu_block_ids"), start,
-                               float(timeout))
+                               float(timeout), layerwise=_layerwise(d))
     if status == CacheStatus.GPU2STORAGE:
         return WriteStorageTask(task_id, keys, _int_list(d, "token_ids"), _int_list(d, "gpu_block_ids"),
-                                float(timeout))
+                                float(timeout), layerwise=_layerwise(d))
     raise TaskFormatError(f"event type {status.name} ({event}) is not a task the CTM runs")
 
 

@@ -65,6 +65,8 @@ from .engine_cache_queue import EngineCacheQueueClient
 from .device_storage_mover import DeviceStorageMover
 from .storage_mover import TRANSFER_MODES, StorageMover, staging_blocks
 from .ipc_signal import IPCSignal, signal_segment_name
+from .layer_progress import LAYER_PROGRESS_SIGNAL
+from .layerwise_copy import RankLayerBoard, copy_layerwise, publishing
 
 CACHE_DTYPES = ("uint8", "bfloat16", "block_wise_fp8")
 IDLE_POLL_MS = 250  # an idle rank wakes this often to look at kv_cache_status and the engine
@@ -272,6 +274,8 @@ class CacheTransferManager:
         self._beat_seen = time.monotonic()
         self._beat_stale_logged = False
         self.lifecycle = KvCacheLifecycle(self)  # RL weight updates: clear and restore the caches
+        self.layer_board = RankLayerBoard(args.mp_num, args.engine_worker_queue_port, args.rank, log)
+        self._layer_plans: dict[int, list] = {}  # per-layer cuts of the swap plans, built on first use
 
     # -- start-up -------------------------------------------------------------
     def _attach_signal(self, name: str, shape: int) -> IPCSignal:
@@ -452,7 +456,7 @@ class CacheTransferManager:
         if isinstance(task, SwapTask):
             kind = "swap_to_cpu" if task.event_type == CacheStatus.SWAP2CPU else "swap_to_gpu"
             touched = [("gpu", g) for g in task.gpu_block_ids] + [("cpu", c) for c in task.cpu_block_ids]
-            submit(task.task_id, seq, kind, touched, deadline, lambda: self._swap(task))
+            submit(task.task_id, seq, kind, touched, deadline, lambda: self._swap(task, deadline))
         elif isinstance(task, ControlTask):
             submit(task.task_id, seq, "control", (), deadline, lambda: self._control(task))
         else:
@@ -461,12 +465,20 @@ class CacheTransferManager:
             # A storage task that cannot run in time moved 0 blocks, as one whose store is down.
             submit(task.task_id, seq, kind, touched, deadline, lambda: self._storage(task, deadline), drop_value=[])
 
-    def _swap(self, task: SwapTask) -> Outcome:
-        if self.args.num_cpu_blocks == 0:
-            raise ValueError("this CTM has no host swap space (--num_cpu_blocks 0)")
-        mode = ops.DEVICE_TO_HOST if task.event_type == CacheStatus.SWAP2CPU else ops.HOST_TO_DEVICE
-        for g in self.groups:
-            self.platform.run_plan(g.swap_plan, task.gpu_block_ids, task.cpu_block_ids, mode)
+    def _swap(self, task: SwapTask, deadline: float | None) -> Outcome:
+        publisher = self.layer_board.publisher(task.layerwise) if task.layerwise else None
+        with publishing(publisher):
+            if self.args.num_cpu_blocks == 0:
+                raise ValueError("this CTM has no host swap space (--num_cpu_blocks 0)")
+            mode = ops.DEVICE_TO_HOST if task.event_type == CacheStatus.SWAP2CPU else ops.HOST_TO_DEVICE
+            if publisher is None:
+                for g in self.groups:
+                    self.platform.run_plan(g.swap_plan, task.gpu_block_ids, task.cpu_block_ids, mode)
+            else:
+                copy_layerwise(self.platform, [g.swap_plan for g in self.groups], task.gpu_block_ids,
+                               task.cpu_block_ids, mode, publisher,
+                               deadline if deadline is not None else time.monotonic() + 30.0,
+                               task.layerwise.await_compute, self.stop_event, self._layer_plans)
         return Outcome(bytes_moved=len(task.gpu_block_ids) * self._block_bytes_all_layers)
 
     @functools.cached_property
@@ -483,13 +495,21 @@ class CacheTransferManager:
         raise ValueError(f"unknown control command {task.command!r}")
 
     def _storage(self, task: Any, deadline: float | None) -> Outcome:
-        if self.storage is None:
-            raise ValueError("no storage backend configured (--kvcache_storage_backend none)")
-        if deadline is None:
-            deadline = time.monotonic() + task.timeout
-        if isinstance(task, ReadStorageTask):
-            return self.storage.read(task, deadline)
-        return self.storage.write(task, deadline)
+        publisher = self.layer_board.publisher(task.layerwise) if task.layerwise else None
+        with publishing(publisher):
+            if self.storage is None:
+                raise ValueError("no storage backend configured (--kvcache_storage_backend none)")
+            if deadline is None:
+                deadline = time.monotonic() + task.timeout
+            if isinstance(task, ReadStorageTask):
+                outcome = self.storage.read(task, deadline)
+                if publisher is not None:  # the blocks found, then every layer of them
+                    publisher.set_blocks(len(outcome.value or []))
+                    publisher.layers_done(len(self.groups[0].tensors))
+                return outcome
+            if publisher is not None and task.layerwise.await_compute:
+                publisher.wait_computed(len(self.groups[0].tensors), deadline, self.stop_event)
+            return self.storage.write(task, deadline)
 
     # -- shutdown ---------------------------------------------------------------
     def close(self, engine_gone: bool) -> None:
@@ -514,6 +534,7 @@ class CacheTransferManager:
                 self.platform.unset_data_ipc(t, cache_name(g.kind, layer, self.rank, self.args.device_id), True, False)
         for sig in self.signals.values():
             sig.close()
+        self.layer_board.close()
 
     def _remove_orphans(self) -> None:
         """The engine died without cleaning up, and nobody else can: unlink its segments.
@@ -522,7 +543,7 @@ class CacheTransferManager:
         rank removes what the engine left (idempotent, and mappings stay valid)."""
         suffix = self.args.engine_worker_queue_port
         removed = self.platform.remove_orphans()
-        for name in PER_RANK_SIGNALS + (WORKER_HEALTHY_LIVE_SIGNAL, KV_CACHE_STATUS_SIGNAL):
+        for name in PER_RANK_SIGNALS + (WORKER_HEALTHY_LIVE_SIGNAL, KV_CACHE_STATUS_SIGNAL, LAYER_PROGRESS_SIGNAL):
             SharedMemorySegment.unlink_name(signal_segment_name(name, suffix))
         self.log.warning("engine gone: removed its %d cache segments and its signals", len(removed))
 

@@ -63,6 +63,7 @@ from cache_manager.ipc_signal import IPCSignal
 from .device_caches import CacheSpec, DeviceCaches
 from .errors import CachesClearedError, ServiceClosed, StartupError
 from .launcher import RankProcess, launch
+from .layerwise import LayerwiseTasks
 from .metrics import CacheMetrics
 from .task_tracker import TaskTracker, new_future
 
@@ -165,6 +166,7 @@ class CacheTransferService:
         self.platform = ops.get_platform(platform, instance=self.instance)
         self.caches: DeviceCaches | None = None
         self.signals: dict[str, IPCSignal] = {}
+        self.layerwise: LayerwiseTasks | None = None  # the progress board of layer-wise tasks
         self.server: EngineCacheQueueServer | None = None
         self.procs: dict[int, RankProcess] = {}
         self._secret = wire.new_secret()
@@ -218,6 +220,7 @@ class CacheTransferService:
         return self
 
     def _create_signals(self) -> None:
+        self.layerwise = LayerwiseTasks(self.tp, suffix=self.port)
         zeros = np.zeros(self.tp, np.int32)
         for name in (CACHE_READY_SIGNAL, SWAP_SPACE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL):
             self.signals[name] = IPCSignal(name, zeros, suffix=self.port, create=True)
@@ -296,48 +299,71 @@ class CacheTransferService:
         return future
 
     def _swap(self, event: CacheStatus, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any,
-              timeout: float | None) -> Future:
+              timeout: float | None, layerwise: bool) -> Future:
         gpu = _id_list(gpu_block_ids, "gpu_block_ids")
         cpu = _id_list(cpu_block_ids, "cpu_block_ids")
         nodes = _id_list(swap_node_ids if swap_node_ids is not None else [], "swap_node_ids")
-        return self.submit({"event_type": int(event), "swap_node_ids": nodes, "gpu_block_ids": gpu,
-                            "cpu_block_ids": cpu}, timeout)
+        task = {"event_type": int(event), "swap_node_ids": nodes, "gpu_block_ids": gpu, "cpu_block_ids": cpu}
+        return self._submit_maybe_layerwise(task, timeout, 0.0, layerwise, event == CacheStatus.SWAP2CPU)
 
     def swap_to_cpu(self, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any = None,
-                    timeout: float | None = None) -> Future:
+                    timeout: float | None = None, layerwise: bool = False) -> Future:
         """Copy device blocks to host swap space on every rank.  Result:
-        ``(event_type, task_id, swap_node_ids, gpu_block_ids, cpu_block_ids)``."""
-        return self._swap(CacheStatus.SWAP2CPU, gpu_block_ids, cpu_block_ids, swap_node_ids, timeout)
+        ``(event_type, task_id, swap_node_ids, gpu_block_ids, cpu_block_ids)``.  With
+        ``layerwise=True`` the ranks copy layer ``l`` once ``future.layer_computed(l + 1)`` was called."""
+        return self._swap(CacheStatus.SWAP2CPU, gpu_block_ids, cpu_block_ids, swap_node_ids, timeout, layerwise)
 
     def swap_to_gpu(self, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any = None,
-                    timeout: float | None = None) -> Future:
-        """Copy host swap blocks back into device blocks on every rank; same result shape."""
-        return self._swap(CacheStatus.SWAP2GPU, gpu_block_ids, cpu_block_ids, swap_node_ids, timeout)
+                    timeout: float | None = None, layerwise: bool = False) -> Future:
+        """Copy host swap blocks back into device blocks on every rank; same result shape.  With
+        ``layerwise=True``, ``future.wait_for_layer(l)`` returns once layer ``l`` landed on every rank."""
+        return self._swap(CacheStatus.SWAP2GPU, gpu_block_ids, cpu_block_ids, swap_node_ids, timeout, layerwise)
 
     def write_storage(self, keys: Sequence[str], gpu_block_ids: Any, token_ids: Sequence[int] | None = None,
-                      timeout: float | None = None) -> Future:
+                      timeout: float | None = None, layerwise: bool = False) -> Future:
         """Write-through: store blocks ``gpu_block_ids`` under the chained block hashes ``keys``
         on every rank, skipping the leading blocks already stored.  Resolves to the gpu block
-        ids stored on every rank (a leading run; 0 blocks when storage is down)."""
-        return self._storage_task(CacheStatus.GPU2STORAGE, keys, gpu_block_ids, token_ids, timeout, {})
+        ids stored on every rank (a leading run; 0 blocks when storage is down).  With
+        ``layerwise=True`` the ranks stage layer ``l`` once ``future.layer_computed(l + 1)`` was called."""
+        return self._storage_task(CacheStatus.GPU2STORAGE, keys, gpu_block_ids, token_ids, timeout, {}, layerwise)
 
     def read_storage(self, keys: Sequence[str], gpu_block_ids: Any, start_read_block_idx: int = 0,
-                     token_ids: Sequence[int] | None = None, timeout: float | None = None) -> Future:
+                     token_ids: Sequence[int] | None = None, timeout: float | None = None,
+                     layerwise: bool = False) -> Future:
         """Load ``keys[start_read_block_idx:]`` into ``gpu_block_ids``.  Resolves to the gpu block
-        ids loaded: the leading run present on every rank (the minimum over ranks)."""
+        ids loaded: the leading run present on every rank (the minimum over ranks).  With
+        ``layerwise=True``, ``future.wait_for_layer(l)`` returns the blocks of layer ``l`` landed on
+        every rank as soon as they are."""
         if not isinstance(start_read_block_idx, int) or start_read_block_idx < 0:
             raise ValueError(f"start_read_block_idx {start_read_block_idx!r} must be a non-negative integer")
         return self._storage_task(CacheStatus.STORAGE2GPU, keys, gpu_block_ids, token_ids, timeout,
-                                  {"start_read_block_idx": start_read_block_idx})
+                                  {"start_read_block_idx": start_read_block_idx}, layerwise)
 
     def _storage_task(self, event: CacheStatus, keys: Sequence[str], gpu_block_ids: Any,
-                      token_ids: Sequence[int] | None, timeout: float | None, extra: dict) -> Future:
+                      token_ids: Sequence[int] | None, timeout: float | None, extra: dict,
+                      layerwise: bool = False) -> Future:
         if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
             raise ValueError("keys must be a list of block-hash strings")
         timeout = self.task_timeout if timeout is None else float(timeout)
         task = {"event_type": int(event), "keys": list(keys), "gpu_block_ids": _id_list(gpu_block_ids, "gpu_block_ids"),
                 "token_ids": _id_list(token_ids or [], "token_ids"), "timeout": timeout, **extra}
-        return self.submit(task, timeout, grace=self.storage_grace)
+        return self._submit_maybe_layerwise(task, timeout, self.storage_grace, layerwise,
+                                            event == CacheStatus.GPU2STORAGE)
+
+    def _submit_maybe_layerwise(self, task: dict, timeout: float | None, grace: float, layerwise: bool,
+                                is_store: bool) -> Future:
+        if not layerwise:
+            return self.submit(task, timeout, grace)
+        if self.layerwise is None:
+            raise ServiceClosed("the CTM service is not running")
+        ref = self.layerwise.acquire(await_compute=is_store)
+        if ref is not None:
+            task["layerwise"] = ref.to_wire()
+        task.setdefault("task_id", self.tracker.new_task_id())
+        timeout = self.task_timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + timeout  # at or before the one submit() stamps on the ranks' copy
+        future = self.submit(task, timeout, grace)
+        return self.layerwise.bind(future, task["task_id"], deadline, ref, len(self.spec.layer_blocks()))
 
     def control(self, command: str, timeout: float | None = None, **args: Any) -> Future:
         """A CTRL task (``ping``, ``sleep``); resolves to each rank's answer, in rank order."""
@@ -468,6 +494,8 @@ class CacheTransferService:
         for sig in self.signals.values():
             sig.clear()
         self.signals.clear()
+        if self.layerwise is not None:
+            self.layerwise.close()
         leftovers = self.platform.remove_orphans()  # what a killed CTM or an old run may have left
         if leftovers:
             logger.warning("removed %d leftover segments: %s", len(leftovers), leftovers[:5])

@@ -82,13 +82,16 @@ class TaskTracker:
         self.task_intervals: list[tuple[float, float]] = []  # (submitted, completed), perf_counter seconds
 
     # ------------------------------------------------------------------ submission
+    def new_task_id(self) -> str:
+        return f"t{next(self._ids)}"
+
     def begin(self, task: dict, timeout: float, grace: float = 0.0) -> tuple[dict, Future, bool]:
         """Stamp ``task`` (id, deadline) and track it.  Returns (the task, its future, whether it
         should be sent): a closed tracker or a dead rank fails the future at once."""
         if not timeout > 0:
             raise ValueError(f"timeout {timeout!r} must be positive")
         task = dict(task)
-        task.setdefault("task_id", f"t{next(self._ids)}")
+        task.setdefault("task_id", self.new_task_id())
         now = time.monotonic()
         task["deadline"] = now + timeout  # the ranks' deadline, on the clock every process of the host shares
         with self.lock:

@@ -90,6 +90,19 @@ class CopyPlan:
     dtype: CacheDtype
 
 
+def layer_range(plan: CopyPlan, first: int, stop: int) -> CopyPlan:
+    """The part of ``plan`` that covers layers ``[first, stop)``: what a layer-wise task copies
+    before it publishes those layers."""
+    layers = len(plan.device.bases)
+    if not 0 <= first < stop <= layers:
+        raise ValueError(f"layer range [{first}, {stop}) is not inside the plan's {layers} layers")
+
+    def cut(side: Side) -> Side:
+        return Side(side.name, side.bases[first:stop], side.capacities[first:stop], side.stride)
+
+    return CopyPlan(cut(plan.device), cut(plan.host), plan.block_bytes, plan.dtype)
+
+
 @dataclass(frozen=True)
 class Oriented:
     """A checked copy request: which side is read, which is written, and with which ids."""

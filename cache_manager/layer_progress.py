@@ -1,0 +1,163 @@
+"""Per-layer progress of layer-wise tasks, in shared memory the engine and every rank map.
+
+A layer-wise task (DESIGN §3.8) names a *slot* of the board and a *sequence number* that the engine
+drew for it.  Each word of the board is ``seq << 24 | value``, written with one aligned 8-byte store,
+so a reader never sees half of an update, and a word left by an earlier task in the same slot
+(another seq) reads as "nothing yet".  Per slot there are:
+
+* ``landed[rank]``: how many leading layers of the task are complete on that rank, or ``FAILED``.
+  A rank publishes layer ``l`` only after every byte of layer ``l`` of every block it reports is in
+  place (the copy returned, the stream synchronised), so a layer is ready exactly when every rank's
+  word for the task's seq is above it.
+* ``blocks[rank]``: how many leading blocks of the task the rank loads (a storage read may find only
+  a prefix).  Written before the first layer, and never changed afterwards.
+* ``computed``: written by the engine for a layer-wise *store*: how many leading layers the model has
+  computed, so that the rank may copy them out while later layers are still being computed.
+
+The engine (``engine_hooks.layerwise``) creates the board, hands out slots and frees a slot only once
+every rank has released the task, so no late rank writes into a slot another task uses.  It is a
+plain ``int64`` IPCSignal named ``layer_progress``; a CTM attaches on its first layer-wise task.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .ipc_signal import IPCSignal
+
+LAYER_PROGRESS_SIGNAL = "layer_progress"
+SLOTS = 256
+VALUE_BITS = 24
+VALUE_MASK = (1 << VALUE_BITS) - 1
+FAILED = VALUE_MASK  # a landed word holding this value: the rank gave up on the task
+MAX_SEQ = (1 << (63 - VALUE_BITS)) - 1
+
+
+def board_shape(tp: int) -> tuple[int, int]:
+    """Columns: ``landed`` per rank, ``blocks`` per rank, then ``computed``."""
+    return (SLOTS, 2 * tp + 1)
+
+
+def pack(seq: int, value: int) -> int:
+    return (seq << VALUE_BITS) | value
+
+
+def unpack(word: int, seq: int) -> int | None:
+    """The word's value if it belongs to task ``seq``, else None."""
+    word = int(word)
+    return word & VALUE_MASK if word >> VALUE_BITS == seq else None
+
+
+@dataclass(frozen=True)
+class LayerwiseRef:
+    """What a task carries on the wire under ``layerwise``: its slot and seq, and whether the rank
+    must wait for the engine's ``computed`` counter before copying a layer out (stores only)."""
+
+    slot: int
+    seq: int
+    await_compute: bool = False
+
+    def to_wire(self) -> dict:
+        return {"slot": self.slot, "seq": self.seq, "await_compute": self.await_compute}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "LayerwiseRef":
+        if not isinstance(value, dict):
+            raise ValueError(f"task field 'layerwise' must be a map, got {value!r:.80}")
+        slot, seq, wait = value.get("slot"), value.get("seq"), value.get("await_compute", False)
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < SLOTS:
+            raise ValueError(f"layerwise slot {slot!r} must be an integer in [0, {SLOTS})")
+        if not isinstance(seq, int) or isinstance(seq, bool) or not 0 < seq <= MAX_SEQ:
+            raise ValueError(f"layerwise seq {seq!r} must be an integer in [1, {MAX_SEQ}]")
+        if not isinstance(wait, bool):
+            raise ValueError(f"layerwise await_compute {wait!r} must be a boolean")
+        return cls(slot, seq, wait)
+
+
+class LayerBoard:
+    """The board's shared array and its column arithmetic; the creator (the engine) unlinks it."""
+
+    def __init__(self, tp: int, suffix: object, create: bool = False):
+        self.tp = tp
+        self.signal = IPCSignal(LAYER_PROGRESS_SIGNAL, np.zeros(board_shape(tp), np.int64), dtype=np.int64,
+                                suffix=suffix, create=create)
+        self.words = self.signal.value
+
+    def landed(self, slot: int, rank: int) -> int:
+        return int(self.words[slot, rank])
+
+    def blocks(self, slot: int, rank: int) -> int:
+        return int(self.words[slot, self.tp + rank])
+
+    def computed(self, slot: int) -> int:
+        return int(self.words[slot, 2 * self.tp])
+
+    def set_landed(self, slot: int, rank: int, word: int) -> None:
+        self.words[slot, rank] = word
+
+    def set_blocks(self, slot: int, rank: int, word: int) -> None:
+        self.words[slot, self.tp + rank] = word
+
+    def set_computed(self, slot: int, word: int) -> None:
+        self.words[slot, 2 * self.tp] = word
+
+    def close(self) -> None:
+        self.signal.clear()  # unlinks only when this process created it
+
+
+class LayerPublisher:
+    """A rank's side of one layer-wise task: publish blocks and landed layers, or the failure, and
+    wait for the engine's computed layers."""
+
+    def __init__(self, board: LayerBoard, rank: int, ref: LayerwiseRef):
+        self.board, self.rank, self.ref = board, rank, ref
+        self.layers_published = 0
+        self.failed = False
+
+    def set_blocks(self, count: int) -> None:
+        self.board.set_blocks(self.ref.slot, self.rank, pack(self.ref.seq, min(count, VALUE_MASK - 1)))
+
+    def layers_done(self, count: int) -> None:
+        """Layers ``[0, count)`` are complete on this rank.  Only ever grows."""
+        if self.failed or count <= self.layers_published:
+            return
+        self.layers_published = count
+        self.board.set_landed(self.ref.slot, self.rank, pack(self.ref.seq, count))
+
+    def fail(self) -> None:
+        """The task will not complete: a waiter fails at once instead of waiting for the deadline."""
+        self.failed = True
+        self.board.set_landed(self.ref.slot, self.rank, pack(self.ref.seq, FAILED))
+
+    def wait_computed(self, layers: int, deadline: float, stop: threading.Event | None = None) -> None:
+        """Block until the engine has computed ``layers`` leading layers; ``TimeoutError`` at the
+        task's deadline, so a store never waits past it."""
+        wait_until(lambda: _computed_at_least(self.board, self.ref, layers), deadline,
+                   f"layer {layers - 1} was not computed by the engine before the task's deadline", stop)
+
+
+def _computed_at_least(board: LayerBoard, ref: LayerwiseRef, layers: int) -> bool:
+    value = unpack(board.computed(ref.slot), ref.seq)
+    return value is not None and value >= layers
+
+
+def wait_until(ready: Callable[[], bool], deadline: float, what: str,
+               stop: threading.Event | None = None) -> None:
+    """Poll ``ready`` until it holds: a tight spin for the first 50 µs, then sleeps growing to 1 ms,
+    so a layer that lands within a layer's compute time is seen at once without burning a core on
+    a long wait.  Raises ``TimeoutError(what)`` at ``deadline`` (``time.monotonic()``)."""
+    start = time.monotonic()
+    pause = 0.0
+    while not ready():
+        now = time.monotonic()
+        if now >= deadline:
+            raise TimeoutError(what)
+        if stop is not None and stop.is_set():
+            raise TimeoutError(f"{what} (stopping)")
+        if now - start > 50e-6:
+            pause = min(1e-3, max(20e-6, pause * 2))
+            time.sleep(min(pause, max(0.0, deadline - now)))

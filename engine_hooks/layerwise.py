@@ -1,0 +1,153 @@
+"""The engine's side of layer-wise tasks: slots of the progress board and ``wait_for_layer``.
+
+A layer-wise load (``swap_to_gpu`` / ``read_storage`` with ``layerwise=True``) returns the usual
+future, with two more methods:
+
+* ``future.wait_for_layer(layer, timeout=None) -> int`` returns as soon as layer ``layer`` has landed
+  on every rank, with the number of leading blocks that layer holds on every rank (all of them for
+  a swap; the blocks found, for a storage read).  It raises the task's own error as soon as the task
+  failed (also when the layer had landed: a failed load is recomputed as a whole), and
+  ``LayerWaitTimeout`` at ``timeout`` or at the task's deadline, whichever comes first.
+* A layer-wise store (``swap_to_cpu`` / ``write_storage`` with ``layerwise=True``) has
+  ``future.layer_computed(count)``: the model has computed layers ``[0, count)``, so the ranks may
+  copy them out while later layers are computed.  The ranks wait for it until the task's deadline.
+
+A slot goes back to the free list only when ``future.released`` is done, so a late rank never writes
+into a slot that a newer task uses.  When every slot is taken the task runs whole-task, and
+``wait_for_layer`` waits for the whole task: slower, never wrong.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from typing import Any, Callable
+
+from cache_manager.layer_progress import FAILED, MAX_SEQ, SLOTS, LayerBoard, LayerwiseRef, pack, unpack, wait_until
+
+from .errors import CacheServiceError
+
+logger = logging.getLogger(__name__)
+
+
+class LayerWaitTimeout(CacheServiceError, TimeoutError):
+    """``wait_for_layer`` gave up: the layer had not landed on every rank in time."""
+
+
+class LayerwiseTasks:
+    """Owns the board (created by the engine) and hands out its slots."""
+
+    def __init__(self, tp: int, suffix: object):
+        self.tp = tp
+        self.board = LayerBoard(tp, suffix, create=True)
+        self._lock = threading.Lock()
+        self._free = list(range(SLOTS - 1, -1, -1))
+        self._seqs = itertools.count(1)
+        self._fallbacks = 0
+
+    def acquire(self, await_compute: bool) -> LayerwiseRef | None:
+        with self._lock:
+            if not self._free:
+                self._fallbacks += 1
+                if self._fallbacks in (1, 10, 100) or self._fallbacks % 1000 == 0:
+                    logger.warning("all %d layer-wise slots are held by unreleased tasks; %d tasks ran whole-task",
+                                   SLOTS, self._fallbacks)
+                return None
+            slot = self._free.pop()
+            seq = next(self._seqs)
+        if seq > MAX_SEQ:
+            raise OverflowError("layer-wise sequence numbers exhausted")
+        return LayerwiseRef(slot, seq, await_compute)
+
+    def _free_slot(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def bind(self, future: Future, task_id: str, deadline: float, ref: LayerwiseRef | None, layers: int) -> Future:
+        """Give ``future`` its layer-wise methods; the slot frees itself once the task is released."""
+        if ref is None:
+            future.wait_for_layer = _whole_task_wait(future, layers, deadline)  # type: ignore[attr-defined]
+            future.layer_computed = lambda count: None  # type: ignore[attr-defined]
+            return future
+        waiter = _LayerWaiter(self.board, ref, future, layers, deadline, task_id)
+        future.wait_for_layer = waiter.wait  # type: ignore[attr-defined]
+        future.layer_computed = waiter.computed  # type: ignore[attr-defined]
+        future.released.add_done_callback(lambda _: self._free_slot(ref.slot))  # type: ignore[attr-defined]
+        return future
+
+    def close(self) -> None:
+        self.board.close()
+
+
+def _check_layer(layer: Any, layers: int) -> int:
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < layers:
+        raise ValueError(f"layer {layer!r} must be an integer in [0, {layers})")
+    return layer
+
+
+def _whole_task_wait(future: Future, layers: int, deadline: float) -> Callable[..., int]:
+    def wait(layer: int, timeout: float | None = None) -> int:
+        _check_layer(layer, layers)
+        limit = deadline - time.monotonic() if timeout is None else min(timeout, deadline - time.monotonic())
+        try:
+            value = future.result(timeout=max(0.0, limit))
+        except FutureTimeout:
+            raise LayerWaitTimeout(f"layer {layer} not loaded within {max(0.0, limit):.3f}s") from None
+        return len(value[3]) if isinstance(value, tuple) else len(value)
+    return wait
+
+
+class _LayerWaiter:
+    def __init__(self, board: LayerBoard, ref: LayerwiseRef, future: Future, layers: int, deadline: float,
+                 task_id: str):
+        self.board, self.ref, self.future = board, ref, future
+        self.layers, self.deadline, self.task_id = layers, deadline, task_id
+
+    def _raise_if_failed(self) -> None:
+        if self.future.done() and self.future.exception() is not None:
+            raise self.future.exception()
+
+    def _landed(self, layer: int) -> bool:
+        self._raise_if_failed()
+        for rank in range(self.board.tp):
+            value = unpack(self.board.landed(self.ref.slot, rank), self.ref.seq)
+            if value == FAILED:
+                # The rank's error is on its way; wait for it briefly, so the caller gets the real reason.
+                try:
+                    self.future.exception(timeout=max(0.0, min(1.0, self.deadline - time.monotonic())))
+                except FutureTimeout:
+                    pass
+                self._raise_if_failed()
+                raise CacheServiceError(f"task {self.task_id}: rank {rank} gave up before layer {layer} landed")
+            if value is None or value <= layer:
+                return False
+        return True
+
+    def wait(self, layer: int, timeout: float | None = None) -> int:
+        """Blocks until ``layer`` is complete on every rank; returns the blocks it holds on all of them."""
+        _check_layer(layer, self.layers)
+        deadline = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
+        try:
+            wait_until(lambda: self._landed(layer), deadline,
+                       f"task {self.task_id}: layer {layer} had not landed on every rank in time")
+        except TimeoutError as exc:
+            if isinstance(exc, CacheServiceError):
+                raise
+            self._raise_if_failed()
+            raise LayerWaitTimeout(str(exc)) from None
+        counts = [unpack(self.board.blocks(self.ref.slot, rank), self.ref.seq) for rank in range(self.board.tp)]
+        if any(c is None for c in counts):  # a rank publishes blocks before its first layer
+            raise CacheServiceError(f"task {self.task_id}: a rank published layers without its block count")
+        return min(counts)  # type: ignore[type-var]
+
+    def computed(self, count: int) -> None:
+        """The model has computed layers ``[0, count)`` (a layer-wise store copies them out)."""
+        if not self.ref.await_compute:
+            raise ValueError("layer_computed() is for layer-wise stores (swap_to_cpu / write_storage)")
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= self.layers:
+            raise ValueError(f"layer count {count!r} must be an integer in [0, {self.layers}]")
+        current = unpack(self.board.computed(self.ref.slot), self.ref.seq) or 0
+        if count > current:
+            self.board.set_computed(self.ref.slot, pack(self.ref.seq, count))
