@@ -147,7 +147,7 @@ def _computed_at_least(board: LayerBoard, ref: LayerwiseRef, layers: int) -> boo
 
 def wait_until(ready: Callable[[], bool], deadline: float, what: str,
                stop: threading.Event | None = None) -> None:
-    """Poll ``ready`` until it holds: a tight spin for the first 50 µs, then sleeps growing to 1 ms,
+    """Poll ``ready`` until it holds: a tight spin for the first 50 µs, then sleeps growing to 200 µs,
     so a layer that lands within a layer's compute time is seen at once without burning a core on
     a long wait.  Raises ``TimeoutError(what)`` at ``deadline`` (``time.monotonic()``)."""
     start = time.monotonic()
@@ -159,5 +159,5 @@ def wait_until(ready: Callable[[], bool], deadline: float, what: str,
         if stop is not None and stop.is_set():
             raise TimeoutError(f"{what} (stopping)")
         if now - start > 50e-6:
-            pause = min(1e-3, max(20e-6, pause * 2))
+            pause = min(200e-6, max(20e-6, pause * 2))
             time.sleep(min(pause, max(0.0, deadline - now)))

@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from ops.layout import CopyPlan, layer_range
+from ops.layout import CopyPlan, layer_range, merge_plans
 
 from .ipc_signal import signal_segment_name
 from .layer_progress import LAYER_PROGRESS_SIGNAL, LayerBoard, LayerPublisher, LayerwiseRef
@@ -57,27 +57,33 @@ def publishing(publisher: LayerPublisher | None) -> Iterator[LayerPublisher | No
         raise
 
 
-def layer_plans(plan: CopyPlan, cache: dict[int, list[CopyPlan]]) -> list[CopyPlan]:
-    """One plan per layer of ``plan``, built once per plan."""
-    key = id(plan)
+def layer_plans(plans: Sequence[CopyPlan], cache: dict[tuple, list[list[CopyPlan]]]) -> list[list[CopyPlan]]:
+    """Per layer, the plans that copy that layer of every cache kind, built once per plan set.
+
+    Kinds whose blocks have the same size and strides on both sides (K and V, unless MLA or fp8
+    scales differ) share one plan per layer, so a layer costs one kernel call, not one per kind."""
+    key = tuple(id(p) for p in plans)
     if key not in cache:
-        cache[key] = [layer_range(plan, layer, layer + 1) for layer in range(len(plan.device.bases))]
+        groups: dict[tuple, list[CopyPlan]] = {}
+        for p in plans:
+            groups.setdefault((p.block_bytes, p.device.stride, p.host.stride), []).append(p)
+        layers = len(plans[0].device.bases) if plans else 0
+        cache[key] = [[merge_plans([layer_range(p, layer, layer + 1) for p in same]) for same in groups.values()]
+                      for layer in range(layers)]
     return cache[key]
 
 
 def copy_layerwise(platform: Any, plans: Sequence[CopyPlan], device_ids: Sequence[int], host_ids: Sequence[int],
                    mode: int, publisher: LayerPublisher, deadline: float, await_compute: bool,
-                   stop: threading.Event | None = None, plan_cache: dict[int, list[CopyPlan]] | None = None) -> None:
+                   stop: threading.Event | None = None, plan_cache: dict | None = None) -> None:
     """Copy the blocks of every plan (one per cache kind), layer by layer, publishing each layer."""
-    cache = {} if plan_cache is None else plan_cache
-    per_kind = [layer_plans(p, cache) for p in plans]
-    layers = len(per_kind[0]) if per_kind else 0
+    per_layer = layer_plans(plans, {} if plan_cache is None else plan_cache)
     publisher.set_blocks(len(device_ids))
-    for layer in range(layers):
+    for layer, layer_plans_ in enumerate(per_layer):
         if await_compute:
             publisher.wait_computed(layer + 1, deadline, stop)
         if time.monotonic() >= deadline:
             raise TimeoutError(f"deadline passed before layer {layer} was copied")
-        for kind_plans in per_kind:
-            platform.run_plan(kind_plans[layer], device_ids, host_ids, mode)
+        for plan in layer_plans_:
+            platform.run_plan(plan, device_ids, host_ids, mode)
         publisher.layers_done(layer + 1)

@@ -103,6 +103,23 @@ def layer_range(plan: CopyPlan, first: int, stop: int) -> CopyPlan:
     return CopyPlan(cut(plan.device), cut(plan.host), plan.block_bytes, plan.dtype)
 
 
+def merge_plans(plans: Sequence[CopyPlan]) -> CopyPlan:
+    """One plan that copies what every plan of ``plans`` copies, each one's layers in turn; they
+    must share block size and strides (e.g. K and V of one layer)."""
+    first = plans[0]
+    for p in plans[1:]:
+        if (p.block_bytes, p.device.stride, p.host.stride) != (first.block_bytes, first.device.stride, first.host.stride):
+            raise ValueError("plans with different block sizes or strides cannot be merged")
+    if len(plans) == 1:
+        return first
+
+    def join(sides: list[Side]) -> Side:
+        return Side(sides[0].name, np.concatenate([s.bases for s in sides]),
+                    np.concatenate([s.capacities for s in sides]), sides[0].stride)
+
+    return CopyPlan(join([p.device for p in plans]), join([p.host for p in plans]), first.block_bytes, first.dtype)
+
+
 @dataclass(frozen=True)
 class Oriented:
     """A checked copy request: which side is read, which is written, and with which ids."""
