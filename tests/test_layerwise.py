@@ -138,3 +138,46 @@ def test_layerwise_storage_read_reports_the_blocks_found(svc):
         for key, view in _layer_views(svc, layer).items():
             assert np.array_equal(view[gpu[:3]], expected[key][:3])
     assert future.result(timeout=20) == gpu[:3]
+
+
+# -- the parts without processes ----------------------------------------------------------------
+def test_a_malformed_layerwise_field_is_refused_naming_it():
+    from cache_manager.cache_tasks import TaskFormatError, task_from_wire
+
+    base = {"event_type": 1, "task_id": "t", "swap_node_ids": [], "gpu_block_ids": [0], "cpu_block_ids": [0]}
+    ok = task_from_wire({**base, "layerwise": {"slot": 3, "seq": 9, "await_compute": False}})
+    assert (ok.layerwise.slot, ok.layerwise.seq) == (3, 9)
+    assert task_from_wire(base).layerwise is None
+    for bad, word in (([1], "map"), ({"slot": -1, "seq": 1}, "slot"), ({"slot": 0, "seq": 0}, "seq"),
+                      ({"slot": 0, "seq": 1, "await_compute": 1}, "await_compute"), ({"slot": 10**6, "seq": 1}, "slot")):
+        with pytest.raises(TaskFormatError, match=word):
+            task_from_wire({**base, "layerwise": bad})
+
+
+def test_layer_cuts_and_merges_of_a_plan_address_the_same_bytes():
+    from ops.cpu import CpuPlatform
+    from ops.layout import layer_range, merge_plans
+
+    platform = CpuPlatform(instance=f"lw{os.getpid()}")
+    k = [platform.empty([8, 64], "uint8") for _ in range(3)]
+    v = [platform.empty([8, 64], "uint8") for _ in range(3)]
+    hosts = [[platform.host_alloc(4 * 64) for _ in range(3)] for _ in range(2)]
+    try:
+        rng = np.random.default_rng(0)
+        for t in k + v:
+            platform.raw_view(t)[:] = rng.integers(0, 256, platform.raw_view(t).shape, dtype=np.uint8)
+        plans = [platform.plan_all_layers(k, hosts[0], 4), platform.plan_all_layers(v, hosts[1], 4)]
+        for layer in range(3):
+            merged = merge_plans([layer_range(p, layer, layer + 1) for p in plans])
+            platform.run_plan(merged, [5, 2], [0, 3], 0)
+        for caches, ptrs in ((k, hosts[0]), (v, hosts[1])):
+            for t, ptr in zip(caches, ptrs):
+                host = platform.host_buffer(ptr, 4 * 64).reshape(4, 64)
+                assert np.array_equal(host[[0, 3]], platform.raw_view(t)[[5, 2]])
+        with pytest.raises(ValueError, match="layer range"):
+            layer_range(plans[0], 2, 4)
+    finally:
+        for t in k + v:
+            platform.free(t)
+        for ptr in hosts[0] + hosts[1]:
+            platform.host_free(ptr)
