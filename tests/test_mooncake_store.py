@@ -21,6 +21,7 @@ from transfer_factory import create_storage_backend  # noqa: E402
 from transfer_factory.kvcache_storage import (BUFFER_TOO_SMALL, INVALID, NOT_FOUND, UNAVAILABLE,  # noqa: E402
                                               StorageAccess, StorageConfigError)
 from transfer_factory.mooncake_master import LocalMooncakeMaster, free_port  # noqa: E402
+from transfer_factory.mooncake_prefault import new_anonymous_ranges  # noqa: E402
 from transfer_factory.mooncake_store import (MooncakeConnectionError, MooncakeStore,  # noqa: E402
                                              load_mooncake_config, parse_size)
 
@@ -248,6 +249,68 @@ def test_concurrent_batches_from_several_threads(store):
     assert failures == []
 
 
+# ---- segment prefaulting ------------------------------------------------------------------------
+
+def _minflt() -> int:
+    with open("/proc/self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+def _thp_always() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[always]" in f.read()
+    except OSError:
+        return False
+
+
+def test_new_anonymous_ranges_are_what_appeared_and_large_enough():
+    before = [(0x1000, 0x3000), (0x10000, 0x11000)]
+    after = [(0x1000, 0x9000), (0x10000, 0x11000), (0x20000, 0x20800), (0x30000, 0x50000)]
+    # grown by merging with a new neighbour: only the new part; a new small one: too small
+    assert new_anonymous_ranges(before, after, 0x1000) == [(0x3000, 0x9000), (0x30000, 0x50000)]
+    assert new_anonymous_ranges(before, after, 0x10000) == [(0x30000, 0x50000)]
+    # a new mapping between two old ones
+    assert new_anonymous_ranges([(0, 0x1000), (0x5000, 0x6000)], [(0, 0x6000)], 1) == [(0x1000, 0x5000)]
+    assert new_anonymous_ranges(after, after, 1) == []
+
+
+@pytest.mark.parametrize("mode", ["populate", "hugepage"])
+def test_prefaulted_segment_holds_its_objects_bit_exact_and_puts_take_no_page_faults(mode):
+    """One client alone on a fresh master, so every object lands in its own segment: after the
+    prefault at setup, putting 16 MiB into it takes (almost) no page fault, each object lies in
+    the prefaulted memory, and the bytes come back exact; with prefaulting off the same puts
+    fault once per 4 KiB page (where the host does not give every mapping huge pages)."""
+    size, count = 1 << 20, 16
+    with LocalMooncakeMaster(lease_ttl_ms=500) as m:
+        results = {}
+        for prefault in ("off", mode):
+            store = MooncakeStore(namespace="pf", rank=0, options={**m.config(), **SMALL, "segment_prefault": prefault})
+            try:
+                if prefault == "off":
+                    assert store.prefaulted == []
+                else:
+                    assert sum(b - a for a, b in store.prefaulted) >= parse_size(SMALL["global_segment_size"])
+                bufs = Buffers(store, count, size, seed=7)
+                keys = keys_for("pf", prefault, count)
+                before = _minflt()
+                assert store.batch_set(keys, bufs.src_ptrs(), bufs.sizes()) == [0] * count
+                results[prefault] = _minflt() - before
+                assert store.batch_get(keys, bufs.dst_ptrs(), bufs.sizes()) == [size] * count
+                assert np.array_equal(bufs.dst, bufs.src)
+                if prefault != "off":
+                    desc = store._client.store.batch_get_replica_desc(keys)
+                    for key in keys:
+                        addr = desc[key][0].get_memory_descriptor().buffer_descriptor.buffer_address
+                        assert any(a <= addr and addr + size <= b for a, b in store.prefaulted), key
+            finally:
+                store.close()
+    pages = count * size // 4096
+    assert results[mode] < pages // 8, results
+    if not _thp_always():
+        assert results["off"] >= pages * 0.9, results
+
+
 # ---- configuration -----------------------------------------------------------------------------
 
 def test_config_from_env_vars_fastdeploy_names(master, monkeypatch):
@@ -345,6 +408,8 @@ def test_sizes():
     ({"master_server_addr": "h:1", "local_buffer_size": -1}, {}, "local_buffer_size"),
     ({"master_server_addr": "h:1", "rpc_timeout_ms": 0}, {}, "rpc_timeout_ms"),
     ({"master_server_addr": "h:1", "retry_interval": "soon"}, {}, "retry_interval"),
+    ({"master_server_addr": "h:1", "segment_prefault": "eagerly"}, {}, "segment_prefault"),
+    ({"master_server_addr": "h:1", "segment_prefault": True}, {}, "segment_prefault"),
     ({}, {"MOONCAKE_MASTER": "h:1", "MOONCAKE_PROTOCOL": "smoke"}, "protocol"),
     ({}, {"MOONCAKE_MASTER": "h:1", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "big"}, "global_segment_size"),
     ({}, {"MOONCAKE_MASTER": "h:1", "MOONCAKE_MASTER_SERVER_ADDR": "h:2"}, "MOONCAKE_MASTER_SERVER_ADDR"),

@@ -16,7 +16,10 @@ Mooncake's spellings are accepted (two spellings with different values are an er
 
 Tuning (``options`` or the JSON file): ``rpc_timeout_ms`` (5000), ``rpc_connect_timeout_ms``
 (2000), ``setup_retries`` (3), ``probe_timeout`` (1.0 s), ``retry_interval`` (1.0 s),
-``reconnect_after`` (15 s), ``close_timeout`` (10 s, the wait for calls in flight).  A missing
+``reconnect_after`` (15 s), ``close_timeout`` (10 s, the wait for calls in flight),
+``segment_prefault`` ("populate": fault the mounted segment in at setup, ~0.35 s per GiB;
+"hugepage": the same on transparent huge pages, 2-3 s per GiB for compaction; "off": leave it
+to the first writes, each page's first write a page fault; see ``mooncake_prefault.py``).  A missing
 or malformed value, an unknown protocol, an unreadable or invalid JSON file raise
 ``StorageConfigError`` naming the key or the file, at construction, before anything connects.
 """
@@ -67,6 +70,10 @@ _TUNING: dict[str, tuple[float, str]] = {
     "retry_interval": (1.0, "s"),
     "reconnect_after": (15.0, "s"),
     "close_timeout": (10.0, "s"),
+}
+# tuning key -> (default, allowed values)
+_CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "segment_prefault": ("populate", ("populate", "hugepage", "off")),
 }
 
 
@@ -134,8 +141,13 @@ def _read_json(path: str) -> dict[str, Any]:
     return data
 
 
-def _tuning(raw: Mapping[str, Any], where: str) -> dict[str, float]:
-    out: dict[str, float] = {}
+def _tuning(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, (default, allowed) in _CHOICES.items():
+        value = raw.get(key, default)
+        if not isinstance(value, str) or value.strip().lower() not in allowed:
+            raise StorageConfigError(f"Mooncake {key} {value!r} in {where} must be one of {', '.join(allowed)}")
+        out[key] = value.strip().lower()
     for key, (default, kind) in _TUNING.items():
         value = raw.get(key, default)
         try:
@@ -166,14 +178,14 @@ def _canonical(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def load_mooncake_config(options: Mapping[str, Any] | None = None,
-                         environ: Mapping[str, str] | None = None) -> tuple[MooncakeConfig, dict[str, float]]:
+                         environ: Mapping[str, str] | None = None) -> tuple[MooncakeConfig, dict[str, Any]]:
     """The connection settings and tuning.  Source: ``options`` when they name the master; else
     the JSON file at ``MOONCAKE_CONFIG_PATH``; else the ``MOONCAKE_*`` environment.  In the last
     two cases keys given in ``options`` (sizes, protocol, ...) override the source's."""
     environ = os.environ if environ is None else environ
     options = dict(options or {})
     known = {n for names in _KEYS.values() for n in names}
-    unknown = sorted(set(options) - known - set(_TUNING))
+    unknown = sorted(set(options) - known - set(_TUNING) - set(_CHOICES))
     if unknown:
         log.warning("Mooncake options ignored (unknown): %s", ", ".join(unknown))
     overrides = _canonical(options, "options")
@@ -184,7 +196,7 @@ def load_mooncake_config(options: Mapping[str, Any] | None = None,
         where = f"config file {path}"
         data = _read_json(path)
         values = {**_canonical(data, where), **overrides}
-        tuning_raw = {**data, **{k: v for k, v in options.items() if k in _TUNING}}
+        tuning_raw = {**data, **{k: v for k, v in options.items() if k in _TUNING or k in _CHOICES}}
     else:
         where = "the environment"
         env = {canonical: _pick(environ, names, canonical, where) for canonical, names in _ENV.items()}

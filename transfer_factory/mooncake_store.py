@@ -8,7 +8,7 @@ used as given; the caller builds namespaced keys (``transfer_factory.keys``).
 Configuration: see ``mooncake_config.py`` (``options``, else the JSON file at
 ``MOONCAKE_CONFIG_PATH``, else ``MOONCAKE_*`` variables; tuning keys ``rpc_timeout_ms``,
 ``rpc_connect_timeout_ms``, ``setup_retries``, ``probe_timeout``, ``retry_interval``,
-``reconnect_after``, ``close_timeout``).  A master that does not answer, or a failed
+``reconnect_after``, ``close_timeout``, ``segment_prefault``).  A master that does not answer, or a failed
 ``setup``, raises ``MooncakeConnectionError`` (both a ``StorageConfigError`` and a
 ``ConnectionError``) naming the master address.
 
@@ -110,6 +110,7 @@ from .kvcache_storage import (BUFFER_TOO_SMALL, CORRUPT, INVALID, NO_SPACE, NOT_
 from .mooncake_config import (CONFIG_PATH_ENV, DEFAULT_GLOBAL_SEGMENT_SIZE, DEFAULT_LOCAL_BUFFER_SIZE,
                               DEFAULT_METADATA_SERVER, PROTOCOLS, MooncakeConfig, load_mooncake_config, parse_size)
 from .mooncake_loopback import loopback_address, loopback_binds
+from .mooncake_prefault import anonymous_ranges, new_anonymous_ranges, prefault
 
 __all__ = ["MooncakeStore", "MooncakeConnectionError", "MooncakeConfig", "load_mooncake_config", "parse_size",
            "CONFIG_PATH_ENV", "PROTOCOLS", "DEFAULT_METADATA_SERVER", "DEFAULT_GLOBAL_SEGMENT_SIZE",
@@ -176,6 +177,8 @@ class MooncakeStore(KVCacheStorage):
         self.retry_interval = float(tuning["retry_interval"])
         self.reconnect_after = float(tuning["reconnect_after"])
         self.close_timeout = float(tuning["close_timeout"])
+        self.segment_prefault = str(tuning["segment_prefault"])
+        self.prefaulted: list[tuple[int, int]] = []   # the ranges the last setup faulted in
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -265,6 +268,7 @@ class MooncakeStore(KVCacheStorage):
         except Exception as e:
             raise MooncakeConnectionError(f"Mooncake client for master {cfg.master_server_addr} could not be "
                                           f"created: {type(e).__name__}: {e}") from None
+        maps_before = anonymous_ranges() if self.segment_prefault != "off" and cfg.global_segment_size else []
         try:
             # Every listener of the client is created inside setup; for a loopback local_hostname
             # they are kept on loopback (Mooncake itself binds them to all interfaces).
@@ -285,9 +289,26 @@ class MooncakeStore(KVCacheStorage):
                 f"Mooncake setup failed ({detail}) after {time.monotonic() - start:.1f}s: master "
                 f"{cfg.master_server_addr}, metadata {cfg.metadata_server}, protocol {cfg.protocol}, "
                 f"local_hostname {cfg.local_hostname}; config from {cfg.source}")
+        if maps_before:
+            self._prefault_segment(maps_before)
         with self._gen_lock:
             self._generation += 1
             return _Client(store, self._generation)
+
+    def _prefault_segment(self, maps_before: list[tuple[int, int]]) -> None:
+        """Fault in the segment ``setup`` just mounted (``mooncake_prefault.py``): otherwise every
+        first write of one of its pages, a peer's put included, takes a page fault here."""
+        size = self.config.global_segment_size
+        ranges = new_anonymous_ranges(maps_before, anonymous_ranges(), size)
+        if not ranges:
+            log.info("mooncake store rank %d: no new mapping of %d bytes after setup; segment not prefaulted",
+                     self.rank, size)
+            return
+        done = prefault(ranges, self.segment_prefault)
+        self.prefaulted = ranges
+        log.info("mooncake store rank %d: prefaulted %d MiB of segment memory in %.2fs (%s%s)", self.rank,
+                 done["bytes"] >> 20, done["seconds"], self.segment_prefault,
+                 "" if done["hugepage"] or self.segment_prefault != "hugepage" else ", huge pages refused")
 
     def reconnect(self) -> bool:
         """Replace the client now: set up a new one, register every buffer, retire the old one.
