@@ -99,11 +99,12 @@ class FileHarness(Harness):
 
     def damage(self, svc, keys, tokens, block, rank) -> None:
         with self._rank_store(svc, rank) as store:
-            path = store.object_path(storage_key(svc.namespace(), keys[block], rank, "v"))
-        with open(path, "r+b") as f:  # one payload bit flipped under an intact header
-            f.seek(-1, os.SEEK_END)
+            where = store.object_location(storage_key(svc.namespace(), keys[block], rank, "v"))
+        last_byte = where.offset + where.length - 1  # the record's last payload byte, in its segment file
+        with open(where.path, "r+b") as f:  # one payload bit flipped under an intact header
+            f.seek(last_byte)
             last = f.read(1)
-            f.seek(-1, os.SEEK_END)
+            f.seek(last_byte)
             f.write(bytes([last[0] ^ 1]))
 
 

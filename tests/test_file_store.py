@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transfer_factory import StorageAccess, StorageConfigError, create_storage_backend
-from transfer_factory.file_store import HEADER_SIZE, FileStore
+from transfer_factory.file_store import DEAD, HEADER_SIZE, FileStore
 from transfer_factory.kvcache_storage import (
     BUFFER_TOO_SMALL, CORRUPT, INVALID, NO_SPACE, NOT_FOUND, OK, UNAVAILABLE,
 )
@@ -125,10 +125,10 @@ def test_existing_key_put_is_success(store):
     a, b = rand_bytes(5000, 1), rand_bytes(5000, 2)
     k = key(1)
     assert put(store, k, a) == OK
-    used, inode = store.used_bytes, store.object_path(k).stat().st_ino
+    used, disk, where = store.used_bytes, store.disk_bytes, store.object_location(k)
     assert put(store, k, b) == OK
     assert store.used_bytes == used and len(store) == 1
-    assert store.object_path(k).stat().st_ino == inode   # not rewritten
+    assert store.object_location(k) == where and store.disk_bytes == disk   # not rewritten
     code, out = get(store, k, 5000)
     assert code == 5000 and np.array_equal(out, a)
 
@@ -191,85 +191,131 @@ def _stored(store, i=0, n=4096):
     a = rand_bytes(n, 100 + i)
     k = key(i)
     assert put(store, k, a) == OK
-    return k, a, store.object_path(k)
+    loc = store.object_location(k)
+    assert loc is not None and loc.length == HEADER_SIZE + n
+    return k, a, loc
 
 
-def test_truncated_and_extended_files_are_misses(store, caplog):
+def flip(path, pos, mask=0x01):
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ mask]))
+
+
+def test_a_record_cut_short_is_a_miss_and_its_neighbours_survive(tmp_path, caplog):
+    """A segment truncated inside a record (a torn write's tail): that record is a miss, now and
+    after a restart, and the records before it read back bit-exact."""
     for cut in (0, 10, HEADER_SIZE - 1, HEADER_SIZE, HEADER_SIZE + 100, HEADER_SIZE + 4095):
-        k, a, path = _stored(store)
-        with open(path, "r+b") as f:
-            f.truncate(cut)
-        assert_miss(store, k, a.nbytes)
-        assert not path.exists()                         # the bad file is deleted
-        assert store.exists([k]) == [0]
-    k, a, path = _stored(store)
-    with open(path, "ab") as f:
-        f.write(b"\0")
-    assert assert_miss(store, k, a.nbytes) == CORRUPT
-    assert "corrupt" in caplog.text
+        root = tmp_path / f"cut{cut}"
+        with open_store(root) as s:
+            before = [_stored(s, i) for i in (1, 2)]
+            k, a, loc = _stored(s, 3)
+            os.truncate(loc.path, loc.offset + cut)
+            assert_miss(s, k, a.nbytes)
+            assert s.exists([k]) == [0]
+            for kb, b, _ in before:
+                assert np.array_equal(get(s, kb, b.nbytes)[1], b)
+        with open_store(root) as s:                       # the scan after a restart agrees
+            assert s.exists([k]) == [0] and len(s) == 2
+            for kb, b, _ in before:
+                assert np.array_equal(get(s, kb, b.nbytes)[1], b)
+            assert put(s, k, a) == OK                     # appended after the torn tail, and found again
+        with open_store(root) as s:
+            assert np.array_equal(get(s, k, a.nbytes)[1], a)
 
 
-def test_flipped_payload_byte_is_a_miss(store):
+def test_flipped_payload_byte_is_a_miss(store, caplog):
     for pos in (0, 1, 2047, 4095):
-        k, a, path = _stored(store)
-        with open(path, "r+b") as f:
-            f.seek(HEADER_SIZE + pos)
-            byte = f.read(1)[0]
-            f.seek(HEADER_SIZE + pos)
-            f.write(bytes([byte ^ 0x01]))
-        assert assert_miss(store, k, a.nbytes) == CORRUPT
-        assert not path.exists()
+        k, a, loc = _stored(store)
+        flip(loc.path, loc.offset + HEADER_SIZE + pos)
+        out = np.full(a.nbytes, 0xA5, dtype=np.uint8)
+        assert store.batch_get([k], [out.ctypes.data], [a.nbytes]) == [CORRUPT]
+        assert store.exists([k]) == [0] and store.object_location(k) is None
+        with open(loc.path, "rb") as f:                  # marked dead on disk: no process serves it again
+            f.seek(loc.offset)
+            assert f.read(4) == DEAD
         assert put(store, k, a) == OK                    # the writer can store it again
         assert np.array_equal(get(store, k, a.nbytes)[1], a)
+    assert "corrupt" in caplog.text
 
 
 def test_every_flipped_header_byte_is_a_miss(store):
     for pos in range(HEADER_SIZE):
-        k, a, path = _stored(store)
-        with open(path, "r+b") as f:
-            f.seek(pos)
-            byte = f.read(1)[0]
-            f.seek(pos)
-            f.write(bytes([byte ^ 0x80]))
+        k, a, loc = _stored(store)
+        flip(loc.path, loc.offset + pos, 0x80)
         assert assert_miss(store, k, a.nbytes) == CORRUPT, pos
-        assert not path.exists()
+        assert store.exists([k]) == [0]
 
 
-def test_file_moved_to_another_keys_path_is_a_miss(store):
-    ka, a, path_a = _stored(store, 1)
-    kb, b, path_b = _stored(store, 2)
-    os.replace(path_a, path_b)                           # same size, valid checksums, wrong key
-    assert assert_miss(store, kb, b.nbytes) == CORRUPT
-    assert get(store, ka, a.nbytes)[0] == NOT_FOUND
+def test_a_record_copied_over_another_keys_record_is_a_miss(store):
+    ka, a, loc_a = _stored(store, 1)
+    kb, b, loc_b = _stored(store, 2)
+    with open(loc_a.path, "rb") as f:                    # same size, valid checksums, wrong key
+        f.seek(loc_a.offset)
+        record = f.read(loc_a.length)
+    with open(loc_b.path, "r+b") as f:
+        f.seek(loc_b.offset)
+        f.write(record)
+    assert_miss(store, kb, b.nbytes)
+    assert np.array_equal(get(store, ka, a.nbytes)[1], a)
+
+
+def segment_files(root):
+    return sorted(p for p in Path(root).rglob("*") if p.is_file())
 
 
 def test_full_disk_write_leaves_nothing(store, monkeypatch):
     a = rand_bytes(100000, 5)
     k = key(5)
-    real = os.writev
+    real = os.pwritev
 
-    def half_then_enospc(fd, bufs):
-        real(fd, [bytes(memoryview(bufs[0])[:10])])
+    def half_then_enospc(fd, bufs, offset):
+        real(fd, [bytes(memoryview(bufs[0])[:10])], offset)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "writev", half_then_enospc)
+    monkeypatch.setattr(os, "pwritev", half_then_enospc)
     assert put(store, k, a) == NO_SPACE
     monkeypatch.undo()
     assert get(store, k, a.nbytes)[0] == NOT_FOUND
-    assert store.used_bytes == 0
-    assert [p.name for p in store.directory.rglob("*") if p.is_file()] == []
+    assert store.used_bytes == 0 and store.disk_bytes == 0
+    assert segment_files(store.directory) == []
+
+
+def test_a_failed_write_is_cut_off_its_segment(store, monkeypatch):
+    """A batch that fails half-way into a segment holding earlier records: the segment is
+    truncated back to where the batch began; the earlier records stay whole."""
+    a, b = rand_bytes(30000, 1), rand_bytes(50000, 2)
+    assert put(store, key(1), a) == OK
+    size = store.disk_bytes
+    real = os.pwritev
+
+    def some_then_eio(fd, bufs, offset):
+        real(fd, [bytes(memoryview(bufs[0])), bytes(memoryview(bufs[1])[:777])], offset)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "pwritev", some_then_eio)
+    assert put(store, key(2), b) == UNAVAILABLE
+    monkeypatch.undo()
+    [seg] = segment_files(store.directory)
+    assert seg.stat().st_size == size == store.disk_bytes
+    assert np.array_equal(get(store, key(1), a.nbytes)[1], a)
+    assert get(store, key(2), b.nbytes)[0] == NOT_FOUND
+    assert put(store, key(2), b) == OK
+    assert np.array_equal(get(store, key(2), b.nbytes)[1], b)
 
 
 def test_a_write_that_accepts_no_bytes_fails_instead_of_spinning(store, monkeypatch):
     a = rand_bytes(100000, 6)
     k = key(6)
-    monkeypatch.setattr(os, "writev", lambda fd, bufs: 0)
+    monkeypatch.setattr(os, "pwritev", lambda fd, bufs, offset: 0)
     start = time.monotonic()
     assert put(store, k, a) == NO_SPACE
     assert time.monotonic() - start < 5
     monkeypatch.undo()
     assert get(store, k, a.nbytes)[0] == NOT_FOUND
-    assert [p.name for p in store.directory.rglob("*") if p.is_file()] == []
+    assert segment_files(store.directory) == []
     assert put(store, k, a) == OK                        # nothing about the failure is remembered
 
 
@@ -278,46 +324,57 @@ import os, sys
 import numpy as np
 from transfer_factory.file_store import FileStore
 root, ns, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-s = FileStore(namespace=ns, rank=0, options={"root": root, "fsync": False})
+s = FileStore(namespace=ns, rank=0, options={"root": root, "fsync": True})
+first = np.arange(3000, dtype=np.uint8) * 7
+s.batch_set([sys.argv[5]], [first.ctypes.data], [first.nbytes])
 a = np.arange(200000, dtype=np.uint8)
 if mode == "half":          # the process dies in the middle of writing the payload
-    real = os.writev
-    def die(fd, bufs):
-        real(fd, [bytes(memoryview(bufs[0])), bytes(memoryview(bufs[1])[:5000])])
+    real = os.pwritev
+    def die(fd, bufs, offset):
+        real(fd, [bytes(memoryview(bufs[0])), bytes(memoryview(bufs[1])[:5000])], offset)
         os._exit(17)
-    os.writev = die
-else:                       # the process dies after writing everything, before the rename
-    os.rename = lambda *a: os._exit(17)
+    os.pwritev = die
+else:                       # the process dies after writing everything, before the sync
+    os.fdatasync = lambda fd: os._exit(17)
 s.batch_set([sys.argv[4]], [a.ctypes.data], [a.nbytes])
 """
 
 
-@pytest.mark.parametrize("mode", ["half", "before_rename"])
-def test_crashed_writer_leaves_a_temp_file_that_is_never_read_and_is_removed(tmp_path, mode):
-    k = key(7)
-    proc = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path), NS, mode, k], cwd=REPO,
+@pytest.mark.parametrize("mode", ["half", "before_sync"])
+def test_a_crashed_writer_leaves_a_miss_or_the_whole_object(tmp_path, mode):
+    k, first_key = key(7), key(8)
+    proc = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path), NS, mode, k, first_key], cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, timeout=60)
     assert proc.returncode == 17, proc.stderr.decode()
-    leftovers = [p for p in (tmp_path / NS / "rank0").rglob("*.tmp.*")]
-    assert len(leftovers) == 1
-    with open_store(tmp_path) as s:                      # reopening removes the dead writer's temp file
-        assert not leftovers[0].exists()
-        assert_miss(s, k, 200000)
-        assert s.exists([k]) == [0] and len(s) == 0
+    with open_store(tmp_path) as s:
+        first = np.arange(3000, dtype=np.uint8) * 7
+        assert np.array_equal(get(s, first_key, 3000)[1], first)
+        if mode == "half":
+            assert_miss(s, k, 200000)
+            assert s.exists([k]) == [0] and len(s) == 1
+        else:                                             # written whole, only the sync was missed
+            code, out = get(s, k, 200000)
+            assert code == NOT_FOUND or (code == 200000 and np.array_equal(out, np.arange(200000, dtype=np.uint8)))
+        a = rand_bytes(10000, 3)
+        assert put(s, key(9), a) == OK                    # a new segment: the dead writer's is never appended to
+    with open_store(tmp_path) as s:
+        assert np.array_equal(get(s, key(9), 10000)[1], a)
 
 
-def test_temp_file_of_a_live_writer_is_kept_and_never_read(store, tmp_path):
-    k = key(8)
-    path = store.object_path(k)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    live = path.with_name(path.name + f".tmp.{os.getpid()}.0badc0de")
-    dead = path.with_name(path.name + ".tmp.99999999.0badc0de")
+def test_a_segment_being_created_by_a_live_writer_is_kept_and_never_read(store, tmp_path):
+    import fcntl
+    live = store.directory / "0000000000000001.0badc0de.seg.new"
+    dead = store.directory / "0000000000000002.0badc0de.seg.new"
     for p in (live, dead):
         p.write_bytes(b"\0" * 1000)
-    assert_miss(store, k, 1000)
-    with open_store(tmp_path / "kv") as again:
-        assert live.exists() and not dead.exists()
-        assert_miss(again, k, 1000)
+    fd = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)                   # as its creator holds it until the rename
+        with open_store(tmp_path / "kv") as again:
+            assert live.exists() and not dead.exists()
+            assert len(again) == 0
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------ capacity
@@ -361,10 +418,10 @@ def test_a_block_is_stored_all_or_none(store):
     ptrs = [k[0].ctypes.data, k[1].ctypes.data, k[2].ctypes.data, v[0].ctypes.data, 0, v[2].ctypes.data]
     assert store.batch_set(keys, ptrs, [n] * 6) == [OK, INVALID, OK, OK, INVALID, OK]
     assert store.exists(keys) == [1, 0, 1, 1, 0, 1]      # block 1's K, already written, was removed
-    assert not store.object_path(block(1, "k")).exists() and len(store) == 4
+    assert store.object_location(block(1, "k")) is None and len(store) == 4
     # A failed first member: the rest of its block is not even written.
     assert store.batch_set([block(5, "k"), block(5, "v")], [0, v[0].ctypes.data], [n, n]) == [INVALID, INVALID]
-    assert not store.object_path(block(5, "v")).exists()
+    assert store.object_location(block(5, "v")) is None and len(store) == 4
     # Keys that are not a block's kinds are independent of each other.
     assert store.batch_set(["x/1", "x/2"], [0, k[0].ctypes.data], [n, n]) == [INVALID, OK]
     for i in (0, 2):
@@ -402,41 +459,34 @@ def test_index_is_rebuilt_on_reopen(tmp_path):
     arrs = [rand_bytes(n, i) for i in range(6)]
     for i in range(4):
         assert put(s, key(i), arrs[i]) == OK
-    now = time.time()
-    for i in range(4):                                   # deterministic ages: key 0 oldest
-        os.utime(s.object_path(key(i)), (now - 100 + i, now - 100 + i))
-    assert get(s, key(0), n)[0] == n                     # a read touches the mtime: key 0 is newest now
-    # A crash leftover and some garbage in the directory.
-    tmp = s.object_path(key(5)).with_name(s.object_path(key(5)).name + ".tmp.99999999.deadbeef")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_bytes(b"partial")
-    (s.directory / "README").write_text("not an object")
-    (s.directory / "ab").mkdir(exist_ok=True)
-    (s.directory / "ab" / "junk.kv").write_bytes(b"junk")
-    short = s.directory / "cd" / ("cd" + "0" * 62 + ".kv")
-    short.parent.mkdir(exist_ok=True)
-    short.write_bytes(b"x" * 10)                         # too short to hold a header: removed
+    directory = s.directory
     s.close()
+    # Some garbage in the directory, and an empty segment left by a crash.
+    (directory / "README").write_text("not an object")
+    (directory / "ab").mkdir()                          # the older one-file-per-object layout
+    (directory / "ab" / ("ab" + "0" * 62 + ".kv")).write_bytes(b"x" * 100)
+    empty = directory / "0000000000000001.deadbeef.seg"
+    empty.write_bytes(b"")
 
     s = open_store(tmp_path, capacity_bytes=cap)
     assert len(s) == 4 and s.used_bytes == cap
-    assert not tmp.exists() and not short.exists()
+    assert not empty.exists() and not (directory / "ab").exists() and (directory / "README").exists()
     for i in range(4):
         assert np.array_equal(get(s, key(i), n)[1], arrs[i])
-    s.close()
-    for i in range(4):                                   # reset ages again, key 0 still refreshed
-        os.utime(s.object_path(key(i)), (now - 100 + i, now - 100 + i))
-    os.utime(s.object_path(key(0)), (now, now))
-
-    s = open_store(tmp_path, capacity_bytes=cap)
-    assert put(s, key(4), arrs[4]) == OK                 # full: evicts key 1, the oldest
+    assert get(s, key(0), n)[0] == n                     # key 0 is the most recently used now
+    assert put(s, key(4), arrs[4]) == OK                 # full: evicts key 1, the least recently used
     assert s.exists([key(i) for i in range(5)]) == [1, 0, 1, 1, 1]
     assert s.used_bytes == cap
     s.close()
 
+    # After a restart the order is the write order (reads are not recorded on disk); an object
+    # evicted but still in its segment may come back, with its own bytes.
     s = open_store(tmp_path, capacity_bytes=2 * (HEADER_SIZE + n))   # a smaller capacity: trimmed at once
     assert len(s) == 2 and s.used_bytes == 2 * (HEADER_SIZE + n)
-    assert sum(s.exists([key(i) for i in range(5)])) == 2
+    present = [i for i in range(5) if s.exists([key(i)]) == [1]]
+    assert len(present) == 2
+    for i in present:
+        assert np.array_equal(get(s, key(i), n)[1], arrs[i])
     s.close()
 
 
@@ -475,8 +525,8 @@ def test_files_are_0600_and_directories_0700_whatever_the_umask(tmp_path):
     a = rand_bytes(4096, 1)
     old = os.umask(0)
     try:
-        with open_store(root) as s:
-            for i in range(20):                           # enough keys to create several fan-out directories
+        with open_store(root, capacity_bytes=1 << 20) as s:   # 64 KiB segments
+            for i in range(20):                           # enough bytes to fill more than one segment
                 assert put(s, key(i), a) == OK
             assert s.batch_set_multi([key(99)], [[a.ctypes.data, a.ctypes.data]], [[100, 200]]) == [OK]
     finally:
@@ -484,23 +534,23 @@ def test_files_are_0600_and_directories_0700_whatever_the_umask(tmp_path):
     modes = _modes(tmp_path / "fresh")
     files = {p: m for p, m in modes.items() if (tmp_path / "fresh" / p).is_file()}
     dirs = {p: m for p, m in modes.items() if p not in files}
-    assert len(files) == 21 and set(files.values()) == {0o600}, files
-    assert len(dirs) >= 5 and set(dirs.values()) == {0o700}, dirs   # fresh, kv, namespace, rank0, fan-outs
+    assert len(files) >= 2 and all(p.endswith(".seg") for p in files), files
+    assert set(files.values()) == {0o600}, files
+    assert len(dirs) == 4 and set(dirs.values()) == {0o700}, dirs   # fresh, kv, namespace, rank0
 
 
 def test_a_store_left_readable_by_an_older_version_is_made_private(tmp_path):
     a = rand_bytes(512, 2)
     with open_store(tmp_path) as s:
         assert put(s, key(1), a) == OK
-        path = s.object_path(key(1))
-    for p in (path, path.parent, path.parent.parent, path.parent.parent.parent):
+        path = s.object_location(key(1)).path           # the segment file
+    for p in (path, path.parent, path.parent.parent):
         p.chmod(0o755 if p.is_dir() else 0o644)
     tmp_path.chmod(0o755)
     with open_store(tmp_path) as s:
         assert np.array_equal(get(s, key(1), 512)[1], a)
     assert path.stat().st_mode & 0o777 == 0o600
-    assert {p.stat().st_mode & 0o777 for p in (path.parent, path.parent.parent, path.parent.parent.parent)} \
-        == {0o700}
+    assert {p.stat().st_mode & 0o777 for p in (path.parent, path.parent.parent)} == {0o700}
     assert tmp_path.stat().st_mode & 0o777 == 0o755       # the root existed before: not the store's to change
 
 
@@ -665,4 +715,4 @@ def test_concurrent_processes_never_read_a_wrong_payload(tmp_path):
             code = mine.batch_get(["ns/%064x/0/k" % k], [buf.ctypes.data], [48000])[0]
             assert code == NOT_FOUND or buf[:code].tobytes() in {
                 _ns["payload"](k, v).tobytes() for v in range(_ns["VARIANTS"])}
-    assert not list(tmp_path.rglob("*.tmp.*"))
+    assert not list(tmp_path.rglob("*.new"))
