@@ -29,7 +29,7 @@ else ``./log``), never to the system's temp directory.
 from __future__ import annotations
 
 import argparse
-import collections
+import dataclasses
 import json
 import logging
 import os
@@ -49,46 +49,11 @@ from engine_hooks.prefix_cache import TIERS, WRITE_POLICIES, CapacityError, Tier
 from engine_hooks.service import default_log_dir  # noqa: E402
 from engine_hooks.write_policy import default_bounce_blocks  # noqa: E402
 from ops.procs import PathReaper  # noqa: E402
-from replay_workload import (HASH_BLOCK_TOKENS, BadTraceLine, Request, generate_workload, load_trace,  # noqa: E402
-                             request_hashes)
+import replay_instances  # noqa: E402
+from replay_workload import (HASH_BLOCK_TOKENS, KINDS, BadTraceLine, Content, Request, Tally,  # noqa: E402
+                             generate_workload, load_trace, request_hashes, serve_request, summarize)
 
-GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-KINDS = ("key_caches", "value_caches")
 log = logging.getLogger("replay")
-
-
-# ---------------------------------------------------------------------------- content
-class Content:
-    """Deterministic bytes of every block: words = index * golden + tag(hash, layer, rank, kind)."""
-
-    def __init__(self, svc: CacheTransferService):
-        self.views = {}
-        for rank, caches in enumerate(svc.caches.tensors):
-            for kind in KINDS:
-                for layer, t in enumerate(caches[kind]):
-                    self.views[(rank, kind, layer)] = svc.platform.raw_view(t).view(np.uint64)
-        words = next(iter(self.views.values())).shape[1]
-        self.base = np.arange(words, dtype=np.uint64) * GOLDEN
-
-    def _expected(self, hashes: list[str], rank: int, kind: str, layer: int) -> np.ndarray:
-        salt = (rank << 40) | (KINDS.index(kind) << 32) | (layer << 48)
-        tags = np.array([int(h[:16], 16) ^ salt for h in hashes], dtype=np.uint64)
-        return self.base[None, :] + tags[:, None]
-
-    def write(self, hashes: list[str], blocks: list[int]) -> None:
-        if not blocks:
-            return
-        for (rank, kind, layer), view in self.views.items():
-            view[blocks] = self._expected(hashes, rank, kind, layer)
-
-    def verify(self, hashes: list[str], blocks: list[int]) -> np.ndarray:
-        """Per block: True when every rank, kind and layer holds exactly the expected words."""
-        ok = np.ones(len(blocks), dtype=bool)
-        if not blocks:
-            return ok
-        for (rank, kind, layer), view in self.views.items():
-            ok &= (view[blocks] == self._expected(hashes, rank, kind, layer)).all(axis=1)
-        return ok
 
 
 # ---------------------------------------------------------------------------- replay
@@ -127,89 +92,26 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
                               write_threshold=args.write_threshold, use_storage=args.storage != "none",
                               task_timeout=args.task_timeout)
     content = Content(svc)
-    tokens_per_block = HASH_BLOCK_TOKENS // args.kv_blocks_per_hash
-    block_bytes = svc.tp * len(KINDS) * args.num_layers * args.block_bytes
-    seen: set[str] = set()
-    counts = collections.Counter()
-    timeline = []
-    verified = device_hits = corrupt = skipped = theoretical_hits = saved_tokens = 0
-    all_blocks = sum(len(h) for h in request_block_hashes)  # skipped requests' too: the ceiling's denominator
-    ratio = 0.0
+    tally = Tally(requests, request_block_hashes, args.kv_blocks_per_hash)
     progress = Progress(len(requests), not args.no_progress)
     t0 = time.perf_counter()
     for done, (req, hashes) in enumerate(zip(requests, request_block_hashes), start=1):
-        ceiling = sum(h in seen for h in hashes)
-        theoretical_hits += ceiling
-        seen.update(hashes)
+        ceiling = tally.ceiling(hashes)
         try:
-            lease = cache.acquire(hashes)
+            served = serve_request(cache, content, req.line, hashes, log)
         except CapacityError as exc:
             log.warning("request on line %d skipped: %s", req.line, exc)
-            skipped += 1
+            tally.skipped += 1
             continue
-        hit_pos = [i for i, s in enumerate(lease.sources) if s != "miss"]
-        ok = content.verify([hashes[i] for i in hit_pos], [lease.gpu_blocks[i] for i in hit_pos])
-        for i, good in zip(hit_pos, ok):
-            if good:
-                # a device hit is checked too, but only a transferred block proves a transfer right
-                if lease.sources[i] == "device":
-                    device_hits += 1
-                else:
-                    verified += 1
-            else:
-                corrupt += 1
-                log.error("line %d block %d from %s has wrong bytes: recomputing it", req.line, i, lease.sources[i])
-                lease.sources[i] = "miss"
-        svc.metrics.record_sources(lease.sources)  # what each tier served, after verification
-        miss_pos = lease.positions("miss")
-        content.write([hashes[i] for i in miss_pos], [lease.gpu_blocks[i] for i in miss_pos])
-        per_tier = collections.Counter(lease.sources)
-        counts.update(per_tier)
-        for i, s in enumerate(lease.sources):
-            if s != "miss":
-                saved_tokens += max(0, min(tokens_per_block, req.input_length - i * tokens_per_block))
-        cache.commit(lease)
-        cache.release(lease)
-        timeline.append((len(hashes), ceiling, per_tier))
-        total_blocks = sum(counts.values())
-        ratio = (total_blocks - counts["miss"]) / total_blocks if total_blocks else 0.0
-        progress.update(done, ratio)
+        tally.add(req, served, ceiling)
+        progress.update(done, tally.hit_ratio())
     if not cache.drain():
         log.warning("storage writes or late tasks still outstanding at the end of the replay")
     elapsed = time.perf_counter() - t0
-    blocks = sum(counts.values())
-    lat = np.array(svc.latencies_ms) if svc.latencies_ms else np.zeros(1)
-    st = cache.stats
-    # what the ranks report having moved, summed over ranks (a failed task's partial moves included)
-    moved = {"bytes_d2h": st.bytes_d2h, "bytes_h2d": st.bytes_h2d, "bytes_to_storage": st.bytes_to_storage,
-             "bytes_from_storage": st.bytes_from_storage}
-    busy = svc.busy_seconds()
-    result = {
-        "requests": len(requests) - skipped, "skipped_requests": skipped, "blocks": blocks,
-        "hit_blocks": blocks - counts["miss"],
-        "hit_ratio": (blocks - counts["miss"]) / blocks if blocks else 0.0,
-        "device_hit_ratio": counts["device"] / blocks if blocks else 0.0,
-        "host_hit_ratio": counts["host"] / blocks if blocks else 0.0,
-        "storage_hit_ratio": counts["storage"] / blocks if blocks else 0.0,
-        "miss_ratio": counts["miss"] / blocks if blocks else 0.0,
-        "theoretical_hit_ratio": theoretical_hits / all_blocks if all_blocks else 0.0,
-        "prefill_tokens_saved": saved_tokens,
-        "prefill_tokens_total": sum(r.input_length for r in requests),
-        **moved,
-        # bytes moved over the wall time during which any transfer task was in flight
-        "transfer_gbps": sum(moved.values()) / busy / 1e9 if busy else 0.0, "transfer_busy_s": busy,
-        "task_p50_ms": float(np.percentile(lat, 50)), "task_p99_ms": float(np.percentile(lat, 99)),
-        "tasks": len(svc.latencies_ms), "verified_blocks": verified, "device_hits": device_hits,
-        "corrupt_blocks": corrupt, "block_bytes": block_bytes,
-        "swap_out_blocks": st.swap_out_blocks, "swap_in_blocks": st.swap_in_blocks,
-        "storage_write_blocks": st.storage_write_blocks, "storage_read_blocks": st.storage_read_blocks,
-        "dropped_blocks": st.dropped_blocks, "failed_loads": st.failed_loads,
-        "quarantined_blocks": st.quarantined_blocks, "quarantined_slots": st.quarantined_slots,
-        "elapsed_s": elapsed, "requests_per_s": len(requests) / elapsed if elapsed else 0.0,
-        "write_policy": args.write_policy, "write_threshold": args.write_threshold,
-        "bounce_blocks": cache.block_counts()["bounce"], "metrics_port": svc.metrics_port,
-    }
-    result["_timeline"] = timeline
+    block_bytes = svc.tp * len(KINDS) * args.num_layers * args.block_bytes
+    result = summarize(tally, dataclasses.asdict(cache.stats), svc.latencies_ms, svc.busy_seconds(), block_bytes,
+                       elapsed, args, bounce_blocks=cache.block_counts()["bounce"], metrics_port=svc.metrics_port)
+    result["_timeline"] = tally.timeline
     return result
 
 
@@ -239,6 +141,8 @@ def print_summary(r: dict, args: argparse.Namespace) -> None:
         ("verified blocks", f"{r['verified_blocks']} transferred and bit-exact, {r['corrupt_blocks']} corrupt"),
         ("device hits", f"{r['device_hits']} (checked; no bytes moved)"),
     ]
+    if r.get("instances", 1) > 1:
+        rows += replay_instances.summary_rows(r)
     width = max(len(k) for k, _ in rows)
     print("-" * (width + 50))
     for k, v in rows:
@@ -277,6 +181,10 @@ def plot(r: dict, path: str, title: str) -> None:
     ax2.set_xlabel("request")
     ax2.set_ylim(0, 1)
     ax2.legend(loc="lower right")
+    if r.get("_kill_index") is not None:
+        for ax in (ax1, ax2):
+            ax.axvline(r["_kill_index"] + 0.5, color="#c0392b", linestyle=":", label="instance killed")
+        ax2.legend(loc="lower right")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -301,15 +209,16 @@ def run_with_storage(args: argparse.Namespace, spec: CacheSpec, requests: list[R
                 reaper = PathReaper([root])
             fsync = args.storage_fsync == "on" or (args.storage_fsync == "auto" and bool(args.storage_root))
             storage_options = {"root": root, "capacity_bytes": args.storage_capacity, "fsync": fsync}
-        elif args.storage == "mooncake" and not (os.environ.get("MOONCAKE_CONFIG_PATH")
-                                                 or os.environ.get("MOONCAKE_MASTER")
-                                                 or os.environ.get("MOONCAKE_MASTER_SERVER_ADDR")):
-            from transfer_factory.mooncake_master import LocalMooncakeMaster
-
-            os.makedirs(log_dir, exist_ok=True)
-            master = LocalMooncakeMaster(log_dir=log_dir).start()
-            storage_options = {**master.config(), "global_segment_size": 1 << 30}
-            print(f"started a local mooncake_master at {master.master_server_addr}", flush=True)
+        elif args.storage == "mooncake":
+            if not (os.environ.get("MOONCAKE_CONFIG_PATH") or os.environ.get("MOONCAKE_MASTER")
+                    or os.environ.get("MOONCAKE_MASTER_SERVER_ADDR")):
+                os.makedirs(log_dir, exist_ok=True)
+                master = replay_instances.start_local_master(args, log_dir)
+                print(f"started a local mooncake_master at {master.master_server_addr}", flush=True)
+            storage_options = replay_instances.mooncake_options(args, master)
+        if args.instances > 1:
+            return replay_instances.run(args, spec, requests, block_hashes, source, max_model_len, storage_options,
+                                        master, log_dir, Progress(len(requests), not args.no_progress))
         with CacheTransferService(spec, tp=args.tp, num_cpu_blocks=args.host_blocks,
                                   storage_backend="none" if args.storage == "none" else args.storage,
                                   storage_options=storage_options, model_id=f"replay/{source}",
@@ -368,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics on this loopback port during the replay (0 picks one)")
     p.add_argument("--metrics-linger", type=float, default=0.0,
                    help="keep the metrics endpoint up this many seconds after the summary")
+    replay_instances.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print a final JSON line")
     p.add_argument("--plot", help="write a PNG: hit ratio over time and the tier breakdown")
     p.add_argument("--no-progress", action="store_true")
@@ -391,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--metrics-linger {args.metrics_linger} must not be negative")
     if args.write_threshold < 1:
         parser.error(f"--write-threshold {args.write_threshold} must be positive")
+    replay_instances.check_arguments(parser, args)
     if HASH_BLOCK_TOKENS % args.kv_blocks_per_hash:
         parser.error(f"--kv-blocks-per-hash {args.kv_blocks_per_hash} must divide {HASH_BLOCK_TOKENS}")
     block_size = HASH_BLOCK_TOKENS // args.kv_blocks_per_hash
@@ -417,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     if not requests:
         print("no requests to replay", file=sys.stderr)
         return 2
+    if args.kill_instance_at is not None and args.kill_instance_at > len(requests):
+        parser.error(f"--kill-instance-at {args.kill_instance_at}: the replay has {len(requests)} requests")
     block_hashes = [request_hashes(r, args.kv_blocks_per_hash) for r in requests]
     unique = len({h for hashes in block_hashes for h in hashes})
     longest = max(len(r.hash_ids) for r in requests) * args.kv_blocks_per_hash
@@ -432,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     args.device_blocks = device_blocks
     print(f"replaying {len(requests)} requests of {source}: TP={args.tp}, {args.num_layers} layers, "
           f"{args.block_bytes} B per layer-block, device {device_blocks} / host {args.host_blocks} blocks per rank, "
-          f"storage {args.storage}", flush=True)
+          f"storage {args.storage}" + (f", {args.instances} instances" if args.instances > 1 else ""), flush=True)
 
     try:
         result = run_with_storage(args, spec, requests, block_hashes, source, longest * block_size)

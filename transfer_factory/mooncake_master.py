@@ -35,6 +35,14 @@ one ``log_dir`` share the file (their lines interleave).
 ``lease_ttl_ms`` is ``--default_kv_lease_ttl``: a read's lease must outlast its transfer (a
 200 ms lease failed 256 MiB batch reads with -707), and ``remove`` is refused (-706) while a
 lease is held.
+
+``client_ttl_s`` is ``--client_ttl`` (Mooncake's default: 10 s): a client pings the master every
+second; one that has not pinged for this long is taken for dead, its segments are unmounted and
+every object left without a replica is erased (measured with 0.3.13: a SIGKILLed client's objects
+answer ``exists`` and fail reads with TRANSFER_FAIL until then, and are not found after).
+``metrics()`` reads the master's own Prometheus counters from its loopback metrics port
+(``master_key_count``, ``segment_total_capacity_bytes{segment=...}``, ...); ``segments()`` names
+the mounted segments and ``wait_for_segments(n)`` waits until at most ``n`` are.
 """
 from __future__ import annotations
 
@@ -344,6 +352,47 @@ class LocalMooncakeMaster:
         """Stop (if running) and start a fresh master on the same ports (it starts empty)."""
         self.stop()
         return self.start()
+
+    def metrics(self, timeout: float = 2.0) -> dict[str, float]:
+        """The master's metrics, ``name`` or ``name{labels}`` -> value.  MooncakeMasterError when it
+        does not answer."""
+        url = f"http://{LOOPBACK}:{self.metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:
+                text = resp.read().decode(errors="replace")
+        except (OSError, ValueError) as e:
+            raise MooncakeMasterError(f"{BINARY} metrics at {url} did not answer: {e}") from None
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if not name or line.startswith("#"):
+                continue
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+        return out
+
+    def segments(self) -> set[str]:
+        """The segments mounted in the pool (``host:port`` of each client that mounted one)."""
+        prefix = 'segment_total_capacity_bytes{segment="'
+        return {k[len(prefix):].split('"', 1)[0] for k in self.metrics() if k.startswith(prefix)}
+
+    def wait_for_segments(self, at_most: int, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until at most ``at_most`` segments are mounted.  A client
+        that closes unmounts its segment at once; a dead one's segment goes ``client_ttl`` seconds after
+        its last ping.  (``master_active_clients`` is no measure of either: a closed client is counted
+        until its ``client_ttl`` runs out too.)  Returns whether it happened."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if len(self.segments()) <= at_most:
+                    return True
+            except MooncakeMasterError as e:
+                log.debug("waiting for segments: %s", e)
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
 
     def log_tail(self, max_bytes: int = 4000) -> str:
         """The end of this start's output (other masters sharing the file may interleave)."""
