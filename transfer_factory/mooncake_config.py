@@ -17,6 +17,7 @@ Mooncake's spellings are accepted (two spellings with different values are an er
 Tuning (``options`` or the JSON file): ``rpc_timeout_ms`` (5000), ``rpc_connect_timeout_ms``
 (2000), ``setup_retries`` (3), ``probe_timeout`` (1.0 s), ``retry_interval`` (1.0 s),
 ``reconnect_after`` (15 s), ``close_timeout`` (10 s, the wait for calls in flight),
+``replica_num`` (1: memory replicas of every object put, each on another segment, best effort),
 ``segment_prefault`` ("populate": fault the mounted segment in at setup, ~0.35 s per GiB;
 "hugepage": the same on transparent huge pages, 2-3 s per GiB for compaction; "off": leave it
 to the first writes, each page's first write a page fault; see ``mooncake_prefault.py``).  A missing
@@ -70,6 +71,7 @@ _TUNING: dict[str, tuple[float, str]] = {
     "retry_interval": (1.0, "s"),
     "reconnect_after": (15.0, "s"),
     "close_timeout": (10.0, "s"),
+    "replica_num": (1, "count"),
 }
 # tuning key -> (default, allowed values)
 _CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {

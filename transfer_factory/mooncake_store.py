@@ -8,7 +8,7 @@ used as given; the caller builds namespaced keys (``transfer_factory.keys``).
 Configuration: see ``mooncake_config.py`` (``options``, else the JSON file at
 ``MOONCAKE_CONFIG_PATH``, else ``MOONCAKE_*`` variables; tuning keys ``rpc_timeout_ms``,
 ``rpc_connect_timeout_ms``, ``setup_retries``, ``probe_timeout``, ``retry_interval``,
-``reconnect_after``, ``close_timeout``, ``segment_prefault``).  A master that does not answer, or a failed
+``reconnect_after``, ``close_timeout``, ``segment_prefault``, ``replica_num``).  A master that does not answer, or a failed
 ``setup``, raises ``MooncakeConnectionError`` (both a ``StorageConfigError`` and a
 ``ConnectionError``) naming the master address.
 
@@ -178,6 +178,7 @@ class MooncakeStore(KVCacheStorage):
         self.reconnect_after = float(tuning["reconnect_after"])
         self.close_timeout = float(tuning["close_timeout"])
         self.segment_prefault = str(tuning["segment_prefault"])
+        self.replica_num = int(tuning["replica_num"])  # memory replicas of each put object
         self.prefaulted: list[tuple[int, int]] = []   # the ranges the last setup faulted in
         try:
             from mooncake.store import MooncakeDistributedStore
@@ -579,7 +580,7 @@ class MooncakeStore(KVCacheStorage):
             return []
         valid = [self._valid_key(k) and p > 0 and s > 0 for k, p, s in zip(keys, ptrs, sizes)]
         out = self._subset(keys, valid, lambda idx: self._run(
-            "set", idx, lambda s: s.batch_put_from([keys[i] for i in idx], [ptrs[i] for i in idx],
+            "set", idx, lambda s: self._put(s.batch_put_from, [keys[i] for i in idx], [ptrs[i] for i in idx],
                                                    [sizes[i] for i in idx]), self._write_code))
         self._remember(keys, out)
         return out
@@ -609,10 +610,21 @@ class MooncakeStore(KVCacheStorage):
         if not keys:
             return []
         out = self._subset(keys, valid, lambda idx: self._run(
-            "set_multi", idx, lambda s: s.batch_put_from_multi_buffers(
+            "set_multi", idx, lambda s: self._put(s.batch_put_from_multi_buffers,
                 [keys[i] for i in idx], [ptrs[i] for i in idx], [sizes[i] for i in idx]), self._write_code))
         self._remember(keys, out)
         return out
+
+    def _put(self, put: Callable[..., Sequence[int]], *args: Any) -> Sequence[int]:
+        """``put(*args)`` with ``replica_num`` memory replicas (Mooncake's ``ReplicateConfig``: each on
+        another segment, best effort); with 1, Mooncake's default, no config is passed."""
+        if self.replica_num == 1:
+            return put(*args)
+        from mooncake.store import ReplicateConfig
+
+        config = ReplicateConfig()
+        config.replica_num = self.replica_num
+        return put(*args, config)
 
     def _remember(self, keys: list[str], results: list[int]) -> None:
         """Keys ``clear`` cannot find by this rank's namespace pattern are kept to remove one by one."""
