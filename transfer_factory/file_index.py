@@ -46,6 +46,7 @@ class IndexMixin:
             with self._lock:
                 victims = max(self._evict_locked(0), 0)
             self._reclaim()
+            self._bury()
         if old or stale or empty or victims or tightened or skipped:
             logger.info("file store %s: removed %d directories of the one-file-per-object format, %d segments "
                         "a dead process was creating and %d segments with nothing live; stepped over %d bytes of "
@@ -102,6 +103,7 @@ class IndexMixin:
         for seg in list(self._segments.values()):
             self._close_segment(seg)
         self._segments.clear()
+        self._doomed.clear()
         self._index.clear()
         self._siblings.clear()
         self._active = None
@@ -160,7 +162,7 @@ class IndexMixin:
                     for f in found:
                         if f.header.live:
                             h = f.header
-                            self._add_entry_locked(h.digest, Entry(seg, f.offset, h.payload_len, h.crc))
+                            self._add_entry_locked(h.digest, Entry(seg, f.offset, h.payload_len, h.crc, h.header_crc))
                 self._disk += size - seg.size
                 seg.size = size
         return tightened, skipped

@@ -56,7 +56,8 @@ DEAD = b"CTKD"
 FORMAT_VERSION = 1
 _BODY = struct.Struct("<HHQI32s")              # version, flags, payload_len, payload_crc32, key_sha256
 _CRC = struct.Struct("<I")
-HEADER_SIZE = 4 + _BODY.size + 4               # 56
+_HEADER = struct.Struct("<4sHHQI32sI")         # the whole header, magic first
+HEADER_SIZE = _HEADER.size                     # 56
 SEG_SUFFIX = ".seg"
 NEW_SUFFIX = ".new"                            # a segment being created: never read
 SEG_RE = re.compile(r"^[0-9a-f]{16}\.[0-9a-f]{8}\.seg$")
@@ -86,6 +87,7 @@ class Header(NamedTuple):
     payload_len: int
     crc: int
     digest: bytes
+    header_crc: int
 
 
 def parse_header(raw: bytes | memoryview) -> Header | None:
@@ -100,7 +102,11 @@ def parse_header(raw: bytes | memoryview) -> Header | None:
     version, flags, payload_len, crc, digest = _BODY.unpack_from(raw, 4)
     if version != FORMAT_VERSION or flags != 0:
         return None
-    return Header(magic == LIVE, payload_len, crc, digest)
+    return Header(magic == LIVE, payload_len, crc, digest, _CRC.unpack_from(raw, HEADER_SIZE - 4)[0])
+
+
+def header_crc(header: bytes) -> int:
+    return _CRC.unpack_from(header, HEADER_SIZE - 4)[0]
 
 
 def crc_of(views) -> int:
@@ -159,15 +165,25 @@ def scan(fd: int, start: int, end: int) -> tuple[list[Found], int, int]:
 
 
 class Entry:
-    """Where one object's live record is: the index's value."""
-    __slots__ = ("seg", "offset", "length", "crc")
+    """Where one object's live record is, and its header's fields: the index's value."""
+    __slots__ = ("seg", "offset", "length", "crc", "hcrc")
 
-    def __init__(self, seg: "Segment", offset: int, length: int, crc: int) -> None:
-        self.seg, self.offset, self.length, self.crc = seg, offset, length, crc
+    def __init__(self, seg: "Segment", offset: int, length: int, crc: int, hcrc: int) -> None:
+        self.seg, self.offset, self.length, self.crc, self.hcrc = seg, offset, length, crc, hcrc
 
     @property
     def size(self) -> int:
         return HEADER_SIZE + self.length
+
+    def fields(self, digest: bytes) -> tuple:
+        """The live header's fields as ``unpack_header`` returns them: equal means byte for byte the
+        header this record was written (or found valid) with."""
+        return (LIVE, FORMAT_VERSION, 0, self.length, self.crc, digest, self.hcrc)
+
+
+def unpack_header(raw, offset: int = 0) -> tuple:
+    """(magic, version, flags, payload_len, payload_crc32, key_sha256, header_crc32) at ``offset``."""
+    return _HEADER.unpack_from(raw, offset)
 
 
 class Segment:

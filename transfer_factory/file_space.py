@@ -1,7 +1,8 @@
 """The FileStore's capacity, eviction and disk reclaiming (file_store.py has the design).
 
 * Capacity: LRU eviction from the index (a whole block when its objects are known), never of an
-  object the running batch stored or relies on.  Eviction only forgets; it writes nothing.
+  object the running batch stored or relies on.  The evicted records are marked dead once the
+  batch is committed (``_bury``), so a restart does not bring them back.
 * Reclaiming: while the segments total more than the capacity plus one segment, the sealed
   segment with the most dead bytes goes: dropped whole when nothing in it is live, else its live
   records are first copied (checked, verbatim) into the active segment (compaction).  A segment is
@@ -17,7 +18,7 @@ import os
 import zlib
 from typing import Any, Iterator
 
-from .file_segments import HEADER_SIZE, Segment, pack_header, try_lock_exclusive, unlock
+from .file_segments import DEAD, HEADER_SIZE, Segment, try_lock_exclusive, unlock, unpack_header
 from .file_store_io import fs_space, on_disk, read_all_at
 from .keys import KINDS
 
@@ -54,7 +55,7 @@ class SpaceMixin:
         if over > 0:
             return -1
         for d in victims:
-            self._drop_entry_locked(d)
+            self._doomed.append((d, self._drop_entry_locked(d)))
         return len(victims)
 
     def _lru_units_locked(self, keep: set[bytes] | frozenset[bytes]) -> Iterator[list[bytes]]:
@@ -69,6 +70,30 @@ class SpaceMixin:
             if not keep.isdisjoint(unit):
                 continue
             yield unit
+
+    def _bury(self) -> None:
+        """Writes the dead magic over the records eviction forgot, so that neither a restart nor
+        another process brings them back.  A mark that is lost (a crash first) only lets a right
+        object come back.  One pwrite per record (a pread first where another process appends);
+        _wlock held."""
+        with self._lock:
+            doomed, self._doomed = self._doomed, []
+            doomed = [(d, e) for d, e in doomed if not e.seg.closed]
+            for _, e in doomed:
+                self._pin(e.seg)
+        try:
+            for d, e in doomed:
+                seg = e.seg
+                try:
+                    if seg.own or unpack_header(os.pread(seg.fd, HEADER_SIZE, e.offset)) == e.fields(d):
+                        os.pwrite(seg.fd, DEAD, e.offset)
+                except OSError as exc:
+                    logger.debug("file store %s: cannot mark an evicted record of %s dead: %s", self.directory,
+                                 seg.name, exc)
+        finally:
+            with self._lock:
+                for _, e in doomed:
+                    self._unpin(e.seg)
 
     # ------------------------------------------------------------------------------------ segments
     def _drop_segment(self, seg: Segment, siblings: bool = False) -> tuple[int, int]:
@@ -91,7 +116,7 @@ class SpaceMixin:
             for d in list(seg.members):
                 for s in (self._siblings.get(d, ()) if siblings else ()):
                     if s != d and s in self._index and self._index[s].seg is not seg:
-                        self._drop_entry_locked(s)
+                        self._doomed.append((s, self._drop_entry_locked(s)))
                         evicted += 1
                 if self._drop_entry_locked(d) is not None:
                     evicted += 1
@@ -220,14 +245,14 @@ class SpaceMixin:
                         got = read_all_at(seg.fd, [rec], off)
                     except OSError:
                         got = 0
-                    header = pack_header(e.length, e.crc, d)
-                    if got != e.size or rec[:HEADER_SIZE] != header or zlib.crc32(rec[HEADER_SIZE:]) != e.crc:
+                    if (got != e.size or unpack_header(rec) != e.fields(d)
+                            or zlib.crc32(rec[HEADER_SIZE:]) != e.crc):
                         with self._lock:
                             if self._index.get(d) is e:
                                 self._drop_entry_locked(d)
                         bad += 1
                         continue
-                    records.append((header, [rec[HEADER_SIZE:]], e.length, e.crc))
+                    records.append((bytes(rec[:HEADER_SIZE]), [rec[HEADER_SIZE:]], e.length, e.crc))
                     good.append((d, e))
                 if not records:
                     continue

@@ -43,11 +43,12 @@ disk).
 Capacity (file_space.py): an in-memory LRU index (key digest -> record) counts header + payload
 of every live object (``used_bytes``); a set that would exceed ``capacity_bytes`` first evicts the
 least recently used objects (a whole block when its objects are known), never one the running
-batch stored or relies on; an object alone larger than the capacity is ``NO_SPACE``.  Eviction
-only forgets; the disk is reclaimed by segment: while the segments total more than the capacity
+batch stored or relies on; an object alone larger than the capacity is ``NO_SPACE``.  The disk
+is reclaimed by segment (``disk_bytes``): while the segments total more than the capacity
 plus one segment, the segment with the most dead bytes is dropped whole when nothing in it is
-live, else its live records are copied into the active segment first (compaction).  An evicted
-object may come back after a restart if its segment was not reclaimed yet: its bytes are right.
+live, else its live records are copied into the active segment first (compaction).  Evicted
+records are marked dead after the batch's commit (a 4-byte write each, not synced): one whose
+mark a crash lost comes back after a restart, with its right bytes.
 
 Full disks (DESIGN §4): a write that fails with ENOSPC or EDQUOT, at write or fsync, or that
 accepts no bytes, truncates its partial batch, drops whole segments of this store in LRU order
@@ -75,6 +76,7 @@ optional K/M/G/T binary suffix), ``fsync`` (default True).  A bad or unknown opt
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -84,7 +86,9 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from .file_index import IndexMixin
-from .file_segments import DEAD, HEADER_SIZE, LIVE, Entry, Segment, lock_shared, pack_header, parse_header, unlock
+from .file_segments import (
+    DEAD, HEADER_SIZE, LIVE, Entry, Segment, header_crc, lock_shared, pack_header, parse_header, unlock, unpack_header,
+)
 from .file_space import SpaceMixin, group_of
 from .file_store_io import (
     DEFAULT_CAPACITY, DEFAULT_ROOT, DIR_MODE, ENV_CAPACITY, ENV_ROOT, OPTIONS, makedirs_private, raw_view,
@@ -100,6 +104,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_CAPACITY", "DEFAULT_ROOT", "ENV_CAPACITY", "ENV_ROOT", "FileStore", "HEADER_SIZE", "LIVE",
            "DEAD", "Location"]
+
+
+def _key_digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 class Location(NamedTuple):
@@ -162,6 +170,7 @@ class FileStore(ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
         # digest -> the digests of its block's objects, for blocks this instance stored or read whole:
         # eviction removes a block at once rather than leave half of it taking space.
         self._siblings: dict[bytes, tuple[bytes, ...]] = {}
+        self._doomed: list[tuple[bytes, Entry]] = []   # evicted records whose dead mark is still to write
         self._segments: dict[str, Segment] = {}
         self._active: Segment | None = None
         self._disk = 0                        # bytes of all segments this instance knows
@@ -195,6 +204,9 @@ class FileStore(ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
 
     def _note_blocks(self, digests: Sequence[bytes | None], keys: Sequence[Any], done: Sequence[bool]) -> None:
         """Remembers which objects form one block, for blocks whose every object just succeeded."""
+        siblings = self._siblings
+        if all(d is None or d in siblings for d in digests):
+            return                                        # nothing new (the common read of stored blocks)
         blocks: dict[str, list[bytes]] = {}
         failed: set[str] = set()
         for key, d, ok in zip(keys, digests, done):
@@ -239,12 +251,12 @@ class FileStore(ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
 
     def batch_get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         check_batch(keys, ptrs, sizes)
-        return self._get_batch(keys, [[p] for p in ptrs], [[s] for s in sizes])
+        return self._get_batch(keys, ptrs, sizes, multi=False)
 
     def batch_get_multi(self, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
                         size_lists: Sequence[Sequence[int]]) -> list[int]:
         check_batch(keys, ptr_lists, size_lists)
-        return self._get_batch(keys, [list(p) for p in ptr_lists], [list(s) for s in size_lists])
+        return self._get_batch(keys, [list(p) for p in ptr_lists], [list(s) for s in size_lists], multi=True)
 
     def batch_set(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         check_batch(keys, ptrs, sizes)
@@ -304,8 +316,10 @@ class FileStore(ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
         if self._closed:
             return
         self._closed = True
-        with self._wlock, self._lock:
-            self._reset()
+        with self._wlock:
+            self._bury()
+            with self._lock:
+                self._reset()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -438,9 +452,10 @@ class FileStore(ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
                 return exc
             with self._lock:
                 self._used -= reserved
-                for d, (_, _, length, crc), off in zip(digests, records, offsets):
-                    self._add_entry_locked(d, Entry(seg, off, length, crc))
+                for d, (header, _, length, crc), off in zip(digests, records, offsets):
+                    self._add_entry_locked(d, Entry(seg, off, length, crc, header_crc(header)))
             self._reclaim()
+            self._bury()
         return None
 
     # ------------------------------------------------------------------------------------ deletes
@@ -460,7 +475,7 @@ class FileStore(ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
                 try:
                     if os.fstat(seg.fd).st_nlink == 0:
                         return None
-                    if os.pread(seg.fd, HEADER_SIZE, e.offset) != pack_header(e.length, e.crc, d):
+                    if unpack_header(os.pread(seg.fd, HEADER_SIZE, e.offset)) != e.fields(d):
                         return False
                     os.pwrite(seg.fd, DEAD, e.offset)
                     return True
@@ -481,10 +496,8 @@ class FileStore(ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
             raw = os.pread(e.seg.fd, HEADER_SIZE, e.offset)
         except OSError:
             return None
-        if raw == pack_header(e.length, e.crc, d):
+        if len(raw) == HEADER_SIZE and unpack_header(raw) == e.fields(d):
             return True
         return False if parse_header(raw) is not None else None
 
-    @staticmethod
-    def _digest(key: str) -> bytes:
-        return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+    _digest = staticmethod(functools.lru_cache(maxsize=1 << 16)(_key_digest))

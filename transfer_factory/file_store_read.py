@@ -11,9 +11,9 @@ import logging
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
-from .file_segments import HEADER_SIZE, Entry, Segment, pack_header, parse_header
+from .file_segments import _HEADER, FORMAT_VERSION, HEADER_SIZE, LIVE, Entry, parse_header
 from .file_store_io import raw_view, read_all_at, valid_ptr, valid_size
 from .kvcache_storage import BUFFER_TOO_SMALL, CORRUPT, INVALID, NOT_FOUND, UNAVAILABLE
 
@@ -21,16 +21,6 @@ logger = logging.getLogger("transfer_factory.file_store")
 
 PARALLEL_CRC_BYTES = 1 << 20          # checksums of a batch at least this big are split over two threads
 _SPLIT = max(1, min(2, os.cpu_count() or 1))
-
-
-class _Read(NamedTuple):
-    i: int
-    d: bytes
-    seg: Segment
-    offset: int
-    length: int
-    crc: int
-    views: list
 
 
 class ReadMixin:
@@ -91,111 +81,130 @@ class ReadMixin:
         return out
 
     # ------------------------------------------------------------------------------------ batch_get
-    def _get_batch(self, keys: Sequence[str], ptr_lists: list[list[int]], size_lists: list[list[int]]) -> list[int]:
+    def _get_batch(self, keys: Sequence[str], ptr_lists: list, size_lists: list, multi: bool) -> list[int]:
+        """Reads a batch; with ``multi`` each object has a list of buffers, else one."""
         n = len(keys)
         if not self._usable():
             return [UNAVAILABLE] * n
         out = [NOT_FOUND] * n
-        digests = [self._digest(k) if isinstance(k, str) and k else None for k in keys]
+        digest = self._digest
+        digests = [digest(k) if type(k) is str and k else None for k in keys]
+        index = self._index
         with self._lock:
-            missing = any(d is not None and d not in self._index for d in digests)
+            missing = any(d not in index for d in digests if d is not None)
         if missing:
             self._refresh()                               # maybe another process stored them
         else:
             self._maybe_refresh()
-        reads: list[_Read] = []
+        # (segment name, offset, index in the batch, digest, segment, payload_len, crc, views)
+        reads: list[tuple] = []
         with self._lock:
-            for i, (d, ptrs, sizes) in enumerate(zip(digests, ptr_lists, size_lists)):
-                if (d is None or not ptrs or len(ptrs) != len(sizes)
-                        or not all(map(valid_ptr, ptrs)) or not all(map(valid_size, sizes))):
+            for i, d in enumerate(digests):
+                if multi:
+                    ptrs, sizes = ptr_lists[i], size_lists[i]
+                    ok = (ptrs and len(ptrs) == len(sizes) and all(map(valid_ptr, ptrs))
+                          and all(map(valid_size, sizes)))
+                    room = sum(sizes) if ok else 0
+                else:
+                    ptr, room = ptr_lists[i], size_lists[i]
+                    ok = type(ptr) is int and ptr > 0 and type(room) is int and room >= 0
+                if d is None or not ok:
                     out[i] = INVALID
                     continue
-                e = self._index.get(d)
+                e = index.get(d)
                 if e is None:
                     continue
-                if e.length > sum(sizes):
+                if e.length > room:
                     out[i] = BUFFER_TOO_SMALL
                     continue
-                views, left = [], e.length
-                for ptr, size in zip(ptrs, sizes):
-                    if left == 0:
-                        break
-                    take = min(size, left)
-                    if take:
-                        views.append(raw_view(ptr, take))
-                    left -= take
-                self._pin(e.seg)
-                reads.append(_Read(i, d, e.seg, e.offset, e.length, e.crc, views))
+                if multi:
+                    views, left = [], e.length
+                    for ptr, size in zip(ptrs, sizes):
+                        take = min(size, left)
+                        if take:
+                            views.append(raw_view(ptr, take))
+                        left -= take
+                else:
+                    views = [raw_view(ptr, e.length)]
+                seg = e.seg
+                seg.pins += 1                             # its fd stays this file's until unpinned
+                reads.append((seg.name, e.offset, i, d, seg, e.length, e.crc, views, e.hcrc))
         try:
             if reads:
                 self._read_records(reads, out)
         finally:
             with self._lock:
                 for r in reads:
-                    self._unpin(r.seg)
+                    self._unpin(r[4])
         self._note_blocks(digests, keys, [code > 0 for code in out])
         return out
 
-    def _read_records(self, reads: list[_Read], out: list[int]) -> None:
-        reads.sort(key=lambda r: (r.seg.name, r.offset))
-        scratch = memoryview(bytearray(HEADER_SIZE * len(reads)))
-        whole = [False] * len(reads)
+
+    def _read_records(self, reads: list[tuple], out: list[int]) -> None:
+        """One preadv per run of adjacent records (headers into a scratch buffer), then the checks."""
+        reads.sort()                                      # by segment, then offset (batch indexes are unique)
+        count = len(reads)
+        scratch = bytearray(HEADER_SIZE * count)
+        sv = memoryview(scratch)
+        whole = [False] * count
         j = 0
-        while j < len(reads):
-            seg, start = reads[j].seg, reads[j].offset
+        while j < count:
+            seg, start = reads[j][4], reads[j][1]
             bufs, k, end = [], j, start
-            while k < len(reads) and reads[k].seg is seg and reads[k].offset == end:
-                bufs.append(scratch[k * HEADER_SIZE:(k + 1) * HEADER_SIZE])
-                bufs.extend(reads[k].views)
-                end += HEADER_SIZE + reads[k].length
+            while k < count and reads[k][4] is seg and reads[k][1] == end:
+                bufs.append(sv[k * HEADER_SIZE:(k + 1) * HEADER_SIZE])
+                bufs += reads[k][7]
+                end += HEADER_SIZE + reads[k][5]
                 k += 1
             try:
-                got = read_all_at(seg.fd, bufs, start)
+                got = start + read_all_at(seg.fd, bufs, start)
             except OSError as exc:
                 logger.warning("file store %s: cannot read %s: %s", self.directory, seg.name, exc)
                 for m in range(j, k):
-                    out[reads[m].i] = UNAVAILABLE
+                    out[reads[m][2]] = UNAVAILABLE
                 j = k
                 continue
             for m in range(j, k):
-                whole[m] = got >= reads[m].offset + HEADER_SIZE + reads[m].length - start
+                whole[m] = got >= reads[m][1] + HEADER_SIZE + reads[m][5]
             j = k
-        checked = [m for m in range(len(reads)) if whole[m]]
-        crcs = dict(zip(checked, self._crc_many([reads[m].views for m in checked])))
+        checked = [m for m in range(count) if whole[m]]
+        crcs = dict(zip(checked, self._crc_many([reads[m][7] for m in checked])))
+        unpack = _HEADER.unpack_from
         hits, gone, corrupt = [], [], []
-        for m, r in enumerate(reads):
-            if out[r.i] == UNAVAILABLE:
+        for m, (_, offset, i, d, seg, length, crc, _, hcrc) in enumerate(reads):
+            if out[i] == UNAVAILABLE:
                 continue
             if not whole[m]:                              # cut short by its writer's failed batch
-                gone.append(r)
+                gone.append(m)
                 continue
-            raw = scratch[m * HEADER_SIZE:(m + 1) * HEADER_SIZE]
-            if raw == pack_header(r.length, r.crc, r.d):
-                if crcs[m] == r.crc:
-                    out[r.i] = r.length
-                    hits.append(r)
+            at = m * HEADER_SIZE
+            if unpack(scratch, at) == (LIVE, FORMAT_VERSION, 0, length, crc, d, hcrc):   # as written, byte for byte
+                if crcs[m] == crc:
+                    out[i] = length
+                    hits.append(d)
                 else:
-                    corrupt.append((r, "payload checksum mismatch", True))
-                continue
-            header = parse_header(raw)
-            if header is None:
-                corrupt.append((r, "damaged header", False))
+                    corrupt.append((m, "payload checksum mismatch", True))
+            elif parse_header(sv[at:at + HEADER_SIZE]) is None:
+                corrupt.append((m, "damaged header", False))
             else:
-                gone.append(r)                            # deleted or replaced by another process
+                gone.append(m)                            # deleted or replaced by another process
+        index = self._index
         with self._lock:
-            for r in hits:
-                if self._index.get(r.d) is not None:
-                    self._index.move_to_end(r.d)
-            for r in gone + [c[0] for c in corrupt]:
-                e = self._index.get(r.d)
-                if e is not None and e.seg is r.seg and e.offset == r.offset:
-                    self._drop_entry_locked(r.d)
-        for r, reason, mark in corrupt:
-            out[r.i] = CORRUPT
-            logger.warning("file store %s: object at %s+%d is corrupt (%s); %s", self.directory, r.seg.name,
-                           r.offset, reason, "marked dead" if mark else "forgotten")
+            for d in hits:
+                if d in index:
+                    index.move_to_end(d)
+            for m in gone + [c[0] for c in corrupt]:
+                _, offset, _, d, seg, _, _, _, _ = reads[m]
+                e = index.get(d)
+                if e is not None and e.seg is seg and e.offset == offset:
+                    self._drop_entry_locked(d)
+        for m, reason, mark in corrupt:
+            _, offset, i, d, seg, length, crc, _, hcrc = reads[m]
+            out[i] = CORRUPT
+            logger.warning("file store %s: object at %s+%d is corrupt (%s); %s", self.directory, seg.name, offset,
+                           reason, "marked dead" if mark else "forgotten")
             if mark:
-                self._mark_dead(r.d, Entry(r.seg, r.offset, r.length, r.crc))
+                self._mark_dead(d, Entry(seg, offset, length, crc, hcrc))
 
 
 def _crc(views) -> int:
