@@ -1,14 +1,12 @@
 """Read-storage and write-storage tasks through real CTM processes at TP=2, file backend, on the opt-in
 direct path; the default (staged) path of every backend is in test_backend_conformance.py."""
-import glob
-import os
-
 import numpy as np
 import pytest
 
 from engine_hooks import CacheSpec, StartupError, TaskFailedError
 from tests.service_helpers import fill_distinct, start_service, views
-from transfer_factory.keys import chain_hashes
+from transfer_factory.file_store import FileStore
+from transfer_factory.keys import chain_hashes, storage_key
 
 SPEC = CacheSpec(num_layers=2, num_blocks=16, kv_heads=2, block_size=4, head_dim=8, cache_dtype="block_wise_fp8",
                  num_extra_layers=1, extra_block_ratio=1.5)
@@ -69,25 +67,20 @@ def test_start_index_and_a_missing_block_limit_the_read(svc):
     assert svc.read_storage(keys_for(3, seed=99), [5, 6, 7]).result(timeout=30) == []
 
 
-def _object_files(svc, rank: int) -> list[str]:
-    return sorted(glob.glob(os.path.join(str(svc.file_root), str(svc.namespace()), f"rank{rank}", "**", "*"),
-                        recursive=True))
-
-
 def test_partial_and_damaged_objects_cut_the_read_at_the_minimum_over_ranks(svc):
     fill_distinct(svc, seed=4)
     v = views(svc)
     keys = keys_for(4, seed=4)
-    before = set(_object_files(svc, 1))
     assert svc.write_storage(keys[:2], [0, 1]).result(timeout=30) == [0, 1]
-    first_two = set(_object_files(svc, 1)) - before
     assert svc.write_storage(keys, [0, 1, 2, 3]).result(timeout=30) == [0, 1, 2, 3]
-    rank1_new = sorted(p for p in set(_object_files(svc, 1)) - before - first_two if os.path.isfile(p))
-    assert rank1_new, "rank 1 wrote no files for blocks 2 and 3"
-    with open(rank1_new[0], "r+b") as f:  # damage one of rank 1's objects of block 2 or 3
-        f.seek(-1, os.SEEK_END)
+    ns = str(svc.namespace())
+    with FileStore(ns, 1, {"root": str(svc.file_root), "fsync": False}) as probe:
+        where = probe.object_location(storage_key(ns, keys[2], 1, "v"))
+    assert where is not None, "rank 1 wrote no V for block 2"
+    with open(where.path, "r+b") as f:  # damage one of rank 1's objects of block 2: its record's last byte
+        f.seek(where.offset + where.length - 1)
         last = f.read(1)
-        f.seek(-1, os.SEEK_END)
+        f.seek(where.offset + where.length - 1)
         f.write(bytes([last[0] ^ 1]))
     got = svc.read_storage(keys, [8, 9, 10, 11]).result(timeout=30)
     assert got in ([8, 9], [8, 9, 10]), got
