@@ -21,6 +21,14 @@ Bytes moved and the transfer rate come from what every rank reports having moved
 transferred into device blocks (from host or storage) and found bit-exact; ``device_hits``
 counts hits already on device, which moved no bytes.
 
+Several instances (``--instances N --storage mooncake``, ``replay_instances.py``): N engine
+processes, each with its own CTMs and Mooncake segments, share one master and one namespace;
+``--route`` spreads the requests, ``--kill-instance-at K`` SIGKILLs one engine.  The JSON line adds
+``instances``, ``cross_instance_hits`` (storage hits on blocks another instance computed),
+``cross_instance_hit_ratio`` (over all blocks), ``lost_blocks`` and ``killed_instance``, with the
+recovery after a kill.  Mooncake's own keys (segment, local buffer, replicas, lease and client TTL)
+are ``--mooncake-*`` flags.
+
 Leftovers: the default store root (a temporary directory) is removed when the replay ends,
 fails, is interrupted, or is killed (a reaper process watches the replay, ``ops.procs``).
 CTM logs, and a local Mooncake master's log, go to ``--log-dir`` (default ``$CTM_LOG_DIR``,
