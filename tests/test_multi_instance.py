@@ -218,3 +218,15 @@ def test_session_routing_with_a_killed_instance(tmp_path):
     assert result["cross_instance_hits"] == survivor["cross_instance_hits"] and dead["cross_instance_hits"] == 0
     assert "killed instance" in proc.stdout and "hit ratio after kill" in proc.stdout
     _no_master_left(proc)
+
+
+def test_multi_instance_flags_are_checked(tmp_path):
+    for args, message in ((["--instances", "2", "--storage", "file"], "needs --storage mooncake"),
+                          (["--instances", "1", "--kill-instance-at", "3"], "needs --instances 2"),
+                          (["--instances", "2", "--storage", "mooncake", "--kill-instance", "2",
+                            "--kill-instance-at", "3"], "--kill-instance 2 must be in 0..1"),
+                          (["--instances", "2", "--storage", "mooncake", "--max-requests", "5",
+                            "--kill-instance-at", "9"], "the replay has 5 requests")):
+        result, proc = run_replay(tmp_path, *args)
+        assert proc.returncode == 2 and result is None, proc.stderr[-2000:]
+        assert message in proc.stderr, proc.stderr[-2000:]
