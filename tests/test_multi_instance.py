@@ -24,7 +24,7 @@ pytest.importorskip("mooncake.store")
 
 from engine_hooks import CacheSpec  # noqa: E402
 from tests.service_helpers import fill_distinct, process_gone, start_service, views  # noqa: E402
-from tests.test_replay import independent_ceiling, private_env, run_replay, trace_slice  # noqa: E402
+from tests.test_replay import REPLAY, REPO, independent_ceiling, private_env, run_replay, trace_slice  # noqa: E402
 from transfer_factory.keys import chain_hash_ids  # noqa: E402
 from transfer_factory.mooncake_master import LocalMooncakeMaster  # noqa: E402
 
@@ -230,3 +230,64 @@ def test_multi_instance_flags_are_checked(tmp_path):
         result, proc = run_replay(tmp_path, *args)
         assert proc.returncode == 2 and result is None, proc.stderr[-2000:]
         assert message in proc.stderr, proc.stderr[-2000:]
+
+
+def _children(pids: set[int]) -> set[int]:
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) in pids:
+                        out.add(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def test_a_killed_replay_leaves_no_instance_ctm_master_or_segment(tmp_path):
+    """The replay is SIGKILLed mid-run: its instances (which watch it), their CTMs (which watch them),
+    its master (which dies with it) and every /dev/shm segment of theirs are gone within seconds."""
+    import select
+    import subprocess
+
+    env = {k: v for k, v in private_env(tmp_path).items() if not k.startswith("MOONCAKE_")}
+    path = trace_slice(tmp_path, 1500)
+    proc = subprocess.Popen([*REPLAY, "--trace", path, "--storage", "mooncake", "--instances", "2", "--tp", "1",
+                             "--mooncake-segment-size", "128mb"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, cwd=REPO, env=env)
+    try:
+        lines, deadline = [], time.monotonic() + 120
+        while not any("engine instances up" in line for line in lines) and time.monotonic() < deadline:
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                line = proc.stdout.readline()
+                assert line, f"the replay ended early: {lines}"
+                lines.append(line)
+        up = next(line for line in lines if "engine instances up" in line)
+        instances = {int(p) for p in up.split("(pids ")[1].split(")")[0].split(", ")}
+        time.sleep(2.0)  # mid-replay: the instances serve, the pool holds objects
+        ctms = _children(instances)
+        master = [p for p in _children({proc.pid}) if p not in instances]
+        assert len(ctms) == 2 and len(master) == 1, (ctms, master)
+        ports = {n.split(".")[1] for n in os.listdir("/dev/shm")
+                 if any(f".dev{p}-" in n for p in instances)}
+        assert len(ports) == 2, ports
+        proc.kill()
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    everything = instances | ctms | set(master)
+    deadline = time.monotonic() + 20
+    while not all(process_gone(p) for p in everything) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in everything if not process_gone(p)] == []
+    def left() -> list[str]:
+        return [n for n in os.listdir("/dev/shm") if any(f".{port}." in n or n.endswith(f".{port}") for port in ports)]
+
+    deadline = time.monotonic() + 5
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left() == []
