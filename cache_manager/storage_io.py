@@ -8,6 +8,7 @@ backend shows up as failed tasks, never as memory growth, a hang or a late actio
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -51,7 +52,8 @@ class IOThread:
     """A single daemon worker with a bounded backlog: a backend call that never returns must not
     keep the process alive, and calls queued behind it must neither pile up nor start late."""
 
-    def __init__(self, name: str, backlog: int = IO_BACKLOG):
+    def __init__(self, name: str, backlog: int = IO_BACKLOG, nice: int = 0):
+        self._nice = nice
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._backlog = backlog
         self._queued = 0
@@ -69,6 +71,15 @@ class IOThread:
         return future
 
     def _run(self) -> None:
+        if self._nice > 0:
+            # Only this thread: Linux gives each thread its own nice value.  A backend call that
+            # busy-waits for its transfer (Mooncake's polling completion) then takes the CPU only
+            # when the threads doing the transfer (its TCP workers, the peers, the other ranks)
+            # leave it idle.  Raising it is allowed unprivileged; it is never lowered again.
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+            except (OSError, AttributeError) as exc:
+                logging.getLogger(__name__).warning("cannot renice %s to %d: %s", self._thread.name, self._nice, exc)
         while True:
             item = self._queue.get()
             if item is None:

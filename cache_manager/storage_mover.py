@@ -88,8 +88,7 @@ class StorageMover:
     def __init__(self, platform: Platform, backend: KVCacheStorage, groups: Sequence[tuple[str, list[Any]]],
                  namespace: Namespace, rank: int, max_blocks: int, transfer: str, log: logging.Logger,
                  staging_buffers: int = STAGING_BUFFERS, io_backlog: int = IO_BACKLOG):
-        if transfer not in TRANSFER_MODES:
-            raise ValueError(f"storage transfer mode {transfer!r} must be one of {TRANSFER_MODES}")
+        path = resolve_transfer(transfer, backend, platform)
         self.platform = platform
         self.backend = backend
         self.namespace = namespace
@@ -104,12 +103,11 @@ class StorageMover:
         self.device_blocks = min(int(t.shape[0]) for _, tensors in groups for t in tensors)  # valid in every layer
         if backend.access != StorageAccess.HOST_STAGED:
             raise ValueError(f"{backend.name} moves device blocks itself: it needs a DeviceStorageMover")
-        if transfer == "direct" and not (backend.supports_multi_buffer and platform.host_addressable):
-            raise ValueError(f"--storage_transfer direct needs multi-buffer calls on a host-addressable platform "
-                             f"({backend.name} on {platform.name} has not)")
-        # auto stages: only a staged call can outlive its task harmlessly.
-        self.direct = transfer == "direct"
-        self._io = {d: IOThread(f"storage-{d}-io", io_backlog) for d in ("read", "write")}
+        self.direct = path == "direct"
+        # A backend whose calls busy-wait (Mooncake) has its calling threads yield the CPU to the
+        # threads that move the bytes (io_nice, see storage_io.IOThread).
+        nice = int(getattr(backend, "io_nice", 0) or 0)
+        self._io = {d: IOThread(f"storage-{d}-io", io_backlog, nice) for d in ("read", "write")}
         if self.direct:
             for g in self.groups:
                 for t in g.tensors:
@@ -348,6 +346,18 @@ class StorageMover:
             self._all_staging.clear()
         if close_backend:
             close_backend_within(self.backend, timeout, self.log)
+
+
+def resolve_transfer(transfer: str, backend: Any, platform: Any) -> str:
+    """The path a rank takes for ``--storage_transfer transfer`` ("staged" or "direct"), from what
+    the backend and the platform (instances or classes) can do.  auto stages: only a staged call
+    can outlive its task harmlessly."""
+    if transfer not in TRANSFER_MODES:
+        raise ValueError(f"storage transfer mode {transfer!r} must be one of {TRANSFER_MODES}")
+    if transfer == "direct" and not (backend.supports_multi_buffer and platform.host_addressable):
+        raise ValueError(f"--storage_transfer direct needs multi-buffer calls on a host-addressable platform "
+                         f"({backend.name} on {platform.name} has not)")
+    return "direct" if transfer == "direct" else "staged"
 
 
 def staging_blocks(max_model_len: int, block_size: int) -> int:

@@ -410,6 +410,8 @@ def test_sizes():
     ({"master_server_addr": "h:1", "retry_interval": "soon"}, {}, "retry_interval"),
     ({"master_server_addr": "h:1", "segment_prefault": "eagerly"}, {}, "segment_prefault"),
     ({"master_server_addr": "h:1", "segment_prefault": True}, {}, "segment_prefault"),
+    ({"master_server_addr": "h:1", "io_thread_nice": 20}, {}, "io_thread_nice"),
+    ({"master_server_addr": "h:1", "io_thread_nice": -1}, {}, "io_thread_nice"),
     ({}, {"MOONCAKE_MASTER": "h:1", "MOONCAKE_PROTOCOL": "smoke"}, "protocol"),
     ({}, {"MOONCAKE_MASTER": "h:1", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "big"}, "global_segment_size"),
     ({}, {"MOONCAKE_MASTER": "h:1", "MOONCAKE_MASTER_SERVER_ADDR": "h:2"}, "MOONCAKE_MASTER_SERVER_ADDR"),

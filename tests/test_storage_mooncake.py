@@ -135,3 +135,57 @@ def test_a_hung_master_times_out_the_task_swaps_go_on_and_reads_recover(master):
             assert np.array_equal(view[[10, 11, 12]], want[k])
     finally:
         svc.shutdown()
+
+
+# ---------------------------------------------------------------- the mover in this process
+def _thread_nice(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+def test_io_threads_run_niced_and_a_staged_round_trip_stays_bit_exact(master):
+    """Mooncake's batch calls busy-poll for completion, so a mover over a MooncakeStore runs its
+    I/O threads (and only those) at ``io_thread_nice``; 64 blocks go out and back exact."""
+    import logging
+    import threading
+
+    from cache_manager.cache_tasks import ReadStorageTask, WriteStorageTask
+    from cache_manager.storage_mover import StorageMover, resolve_transfer
+    from ops.cpu import CpuPlatform
+    from transfer_factory.keys import Namespace
+    from transfer_factory.mooncake_store import MooncakeStore
+
+    platform = CpuPlatform(instance=f"nice{os.getpid()}-{time.monotonic_ns()}")
+    shape, layers = [128, 2, 4, 8], 2
+    groups = [(kind, [platform.empty(shape, "bfloat16") for _ in range(layers)])
+              for kind in ("key_caches", "value_caches")]
+    raw = {(kind, i): platform.raw_view(t) for kind, ts in groups for i, t in enumerate(ts)}
+    rng = np.random.default_rng(21)
+    for view in raw.values():
+        view[:] = rng.integers(0, 256, view.shape, dtype=np.uint8)
+    ns = Namespace("nice/m", "v", 1, "bfloat16", 4, layers)
+    store = MooncakeStore(namespace=str(ns), rank=0, options={**master.config(), **OPTIONS})
+    mover = None
+    try:
+        assert store.io_nice == 19
+        assert resolve_transfer("auto", store, platform) == "staged"
+        before = {t.native_id for t in threading.enumerate()}
+        main_nice = _thread_nice(threading.get_native_id())
+        mover = StorageMover(platform, store, groups, ns, 0, 64, "auto", logging.getLogger("test.nice"))
+        hashes = [f"nice{os.getpid()}x{i:04d}" for i in range(64)]
+        src, dst = list(range(64)), list(range(64, 128))
+        want = {k: v[src].copy() for k, v in raw.items()}
+        assert mover.write(WriteStorageTask("w", hashes, [], src, timeout=30)).value == src
+        assert mover.read(ReadStorageTask("r", hashes, [], dst, timeout=30)).value == dst
+        assert all(np.array_equal(raw[k][dst], want[k]) for k in raw)
+        io = [t for t in threading.enumerate() if t.name.startswith("storage-") and t.native_id not in before]
+        assert sorted(t.name for t in io) == ["storage-read-io", "storage-write-io"]
+        assert [_thread_nice(t.native_id) for t in io] == [19, 19]
+        assert _thread_nice(threading.get_native_id()) == main_nice  # the rest of the process is untouched
+    finally:
+        if mover is not None:
+            mover.close(close_backend=False)
+        store.close()
+        for _, ts in groups:
+            for t in ts:
+                platform.free(t)

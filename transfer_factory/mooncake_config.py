@@ -20,7 +20,10 @@ Tuning (``options`` or the JSON file): ``rpc_timeout_ms`` (5000), ``rpc_connect_
 ``replica_num`` (1: memory replicas of every object put, each on another segment, best effort),
 ``segment_prefault`` ("populate": fault the mounted segment in at setup, ~0.35 s per GiB;
 "hugepage": the same on transparent huge pages, 2-3 s per GiB for compaction; "off": leave it
-to the first writes, each page's first write a page fault; see ``mooncake_prefault.py``).  A missing
+to the first writes, each page's first write a page fault; see ``mooncake_prefault.py``),
+``io_thread_nice`` (19: the nice value of a storage mover's I/O threads, which call Mooncake;
+its batch calls busy-poll for completion, so the caller spins on a core for the whole transfer;
+0 leaves them at the process's priority).  A missing
 or malformed value, an unknown protocol, an unreadable or invalid JSON file raise
 ``StorageConfigError`` naming the key or the file, at construction, before anything connects.
 """
@@ -62,7 +65,8 @@ _ENV: dict[str, tuple[str, ...]] = {
     "global_segment_size": ("MOONCAKE_GLOBAL_SEGMENT_SIZE",),
     "local_buffer_size": ("MOONCAKE_LOCAL_BUFFER_SIZE",),
 }
-# tuning key -> (default, kind); kind "ms"/"count" are ints >= 1, "s" floats >= 0, "s>0" floats > 0
+# tuning key -> (default, kind); kind "ms"/"count" are ints >= 1, "nice" ints 0-19, "s" floats >= 0,
+# "s>0" floats > 0
 _TUNING: dict[str, tuple[float, str]] = {
     "rpc_timeout_ms": (5000, "ms"),
     "rpc_connect_timeout_ms": (2000, "ms"),
@@ -72,6 +76,7 @@ _TUNING: dict[str, tuple[float, str]] = {
     "reconnect_after": (15.0, "s"),
     "close_timeout": (10.0, "s"),
     "replica_num": (1, "count"),
+    "io_thread_nice": (19, "nice"),
 }
 # tuning key -> (default, allowed values)
 _CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -160,10 +165,14 @@ def _tuning(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
                 if not number.is_integer() or number < 1:
                     raise ValueError
                 number = int(number)
+            elif kind == "nice":
+                if not number.is_integer() or not 0 <= number <= 19:
+                    raise ValueError
+                number = int(number)
             elif number < 0 or (kind == "s>0" and number == 0) or number != number:
                 raise ValueError
         except (TypeError, ValueError):
-            need = {"ms": "a positive integer", "count": "a positive integer",
+            need = {"ms": "a positive integer", "count": "a positive integer", "nice": "an integer from 0 to 19",
                     "s": "a number of seconds >= 0", "s>0": "a number of seconds > 0"}[kind]
             raise StorageConfigError(f"Mooncake {key} {value!r} in {where} must be {need}") from None
         out[key] = number

@@ -8,9 +8,10 @@ used as given; the caller builds namespaced keys (``transfer_factory.keys``).
 Configuration: see ``mooncake_config.py`` (``options``, else the JSON file at
 ``MOONCAKE_CONFIG_PATH``, else ``MOONCAKE_*`` variables; tuning keys ``rpc_timeout_ms``,
 ``rpc_connect_timeout_ms``, ``setup_retries``, ``probe_timeout``, ``retry_interval``,
-``reconnect_after``, ``close_timeout``, ``segment_prefault``, ``replica_num``).  A master that does not answer, or a failed
-``setup``, raises ``MooncakeConnectionError`` (both a ``StorageConfigError`` and a
-``ConnectionError``) naming the master address.
+``reconnect_after``, ``close_timeout``, ``segment_prefault``, ``replica_num``,
+``io_thread_nice``).  A master that does not answer, or a failed ``setup``, raises
+``MooncakeConnectionError`` (both a ``StorageConfigError`` and a ``ConnectionError``) naming
+the master address.
 
 Each store contributes ``global_segment_size`` bytes of this process's memory to the pool; the
 master places objects in any mounted segment, and those in this one are gone when this client
@@ -178,6 +179,11 @@ class MooncakeStore(KVCacheStorage):
         self.reconnect_after = float(tuning["reconnect_after"])
         self.close_timeout = float(tuning["close_timeout"])
         self.segment_prefault = str(tuning["segment_prefault"])
+        # Mooncake 0.3.13's batch calls wait for their transfers by polling (the wheel is built
+        # without USE_EVENT_DRIVEN_COMPLETION: a loop on clock_gettime and the tasks' status), so
+        # the calling thread keeps a core busy for the whole transfer.  A storage mover runs its
+        # I/O threads at this nice value, so the spinning yields to the threads moving the bytes.
+        self.io_nice = int(tuning["io_thread_nice"])
         self.replica_num = int(tuning["replica_num"])  # memory replicas of each put object
         self.prefaulted: list[tuple[int, int]] = []   # the ranges the last setup faulted in
         try:
