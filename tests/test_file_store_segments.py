@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import pytest
 
 from transfer_factory.file_segments import HEADER_SIZE, segment_size
 from transfer_factory.file_store import FileStore
-from transfer_factory.kvcache_storage import CORRUPT, NOT_FOUND, OK
+from transfer_factory.kvcache_storage import CORRUPT, NOT_FOUND, OK, UNAVAILABLE
 
 REPO = Path(__file__).resolve().parents[1]
 NS = "model-tp2-0123456789abcdef"
@@ -448,3 +449,44 @@ def test_many_small_objects_make_few_files_and_clear_removes_them(tmp_path):
     store.clear()
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == [] and len(store) == 0
     store.close()
+
+
+# ------------------------------------------------------------------------------------ the directory under an open store
+def test_a_rank_directory_moved_away_or_replaced_under_an_open_store(tmp_path):
+    """Moved away: every call fails softly and the directory is not made again; back: the store
+    works again.  Replaced by an empty one: the old objects are misses (never the bytes of the
+    files it still holds open) and new ones land in the new directory."""
+    store = open_store(tmp_path)
+    put_ids(store, range(6))
+    d = store.directory
+    aside = d.with_name("aside")
+    d.rename(aside)
+    out = np.empty(MAXLEN, dtype=np.uint8)
+    assert store.batch_get([key_of(0)], [out.ctypes.data], [MAXLEN]) == [UNAVAILABLE]
+    assert store.exists([key_of(0)]) == [UNAVAILABLE]
+    a = payload(6)
+    assert store.batch_set([key_of(6)], [a.ctypes.data], [a.nbytes]) == [UNAVAILABLE]
+    assert not d.exists()
+    aside.rename(d)
+    assert read_one(store, 0) > 0
+    put_ids(store, [6])
+    shutil.rmtree(d)
+    d.mkdir(mode=0o700)
+    for i in range(7):
+        assert read_one(store, i) == NOT_FOUND
+    put_ids(store, [7, 8])
+    store.close()
+    check_all(tmp_path, range(9), must={7, 8})
+    assert len(segments(tmp_path)) == 1
+
+
+def test_a_writer_goes_on_after_another_process_clears_the_directory(tmp_path):
+    writer, other = open_store(tmp_path), open_store(tmp_path)
+    put_ids(writer, range(4))
+    other.clear()
+    assert segments(tmp_path) == []
+    put_ids(writer, range(10, 14))                       # its segment was removed: it starts a new one
+    writer.close()
+    other.close()
+    hits, _ = check_all(tmp_path, list(range(4)) + list(range(10, 14)), must=set(range(10, 14)))
+    assert hits == 4

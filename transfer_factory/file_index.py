@@ -254,31 +254,33 @@ class IndexMixin:
         if self._active is seg:
             self._active = None
 
-    def _append(self, records: list[tuple[bytes, list, int, int]]) -> tuple[Segment, list[int]]:
-        """Appends (header, payload views, payload_len, crc) records with one write and one sync;
-        returns the segment and each record's offset.  On failure the segment is truncated back
-        (removed when it was new and empty) and the error raised.  _wlock held."""
-        total = sum(HEADER_SIZE + length for _, _, length, _ in records)
+    def _append(self, chunks, total: int) -> tuple[Segment, list[int]]:
+        """Appends records (header, payload views, payload_len, crc), given as an iterable of lists
+        (written in turn: one pwritev per list, more only past IOV_MAX buffers), with one sync at
+        the end; returns the segment and each record's offset.  On failure the segment is truncated
+        back (removed when it was new and empty) and the error raised.  _wlock held."""
         seg = self._writable(total)
         with self._lock:
             self._pin(seg)                                   # a refresh may forget it, never close it under us
         try:
-            return self._append_to(seg, records, total)
+            return self._append_to(seg, chunks)
         finally:
             with self._lock:
                 self._unpin(seg)
 
-    def _append_to(self, seg: Segment, records: list, total: int) -> tuple[Segment, list[int]]:
+    def _append_to(self, seg: Segment, chunks) -> tuple[Segment, list[int]]:
         start = off = seg.size
-        bufs: list = []
-        offsets = []
-        for header, views, length, _ in records:
-            offsets.append(off)
-            bufs.append(header)
-            bufs.extend(views)
-            off += HEADER_SIZE + length
+        offsets: list[int] = []
         try:
-            write_all_at(seg.fd, bufs, start)
+            for records in chunks:
+                bufs: list = []
+                at = off
+                for header, views, length, _ in records:
+                    offsets.append(off)
+                    bufs.append(header)
+                    bufs += views
+                    off += HEADER_SIZE + length
+                write_all_at(seg.fd, bufs, at)
             if self.fsync:
                 os.fdatasync(seg.fd)
                 if seg.fresh:
@@ -289,7 +291,7 @@ class IndexMixin:
             raise
         with self._lock:
             seg.size = off
-            self._disk += total
+            self._disk += off - start
         return seg, offsets
 
     def _undo_append(self, seg: Segment, start: int) -> None:

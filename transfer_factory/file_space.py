@@ -257,7 +257,7 @@ class SpaceMixin:
                 if not records:
                     continue
                 try:
-                    dest, offsets = self._append(records)
+                    dest, offsets = self._append([records], sum(HEADER_SIZE + r[2] for r in records))
                 except OSError as exc:
                     logger.warning("file store %s: cannot compact %s: %s", self.directory, seg.name, exc)
                     return False

@@ -3,42 +3,47 @@
 Layout (DESIGN §3.7, §4)
 ------------------------
 Objects live under ``{root}/{namespace}/rank{rank}/`` in append-only **segment files**
-``{time:016x}.{random:08x}.seg``, one record (a 56-byte header bound to the key by its SHA-256 and
-checksummed, then the payload with its CRC) per object; the format, the scan and the locks are in
-file_segments.py.  Objects of a few KiB no longer cost a file each: a replay that made 122,000
-files makes a few dozen segments, and removing a store is a ``shutil.rmtree`` of those.
+``{creation time ns:016x}.{random:08x}.seg``.  A segment is records back to back, one per object:
+a 56-byte header (magic ``CTKR`` live or ``CTKD`` dead, version, flags, payload length, payload
+CRC32, the key's SHA-256, and a CRC32 of the header itself), then the payload; the byte table,
+the scan and the locks are in file_segments.py.  Objects of a few KiB no longer cost a file each:
+a replay that made 122,000 files makes a few dozen segments, and removing a store is a
+``shutil.rmtree`` of those.  Modules: file_store_write.py (batches, commit, dead marks),
+file_store_read.py, file_index.py (open, scan, refresh, append), file_space.py (capacity,
+eviction, reclaiming, full disks), file_checksums.py, file_store_io.py (options, modes, I/O).
 
 Writes (group commit): a ``batch_set`` appends all its new records to this instance's *active*
-segment with one ``pwritev`` (more only past IOV_MAX buffers), then makes them durable with one
-``fdatasync`` (option ``fsync``, default on; plus one directory fsync when the segment is new),
-and only then reports OK and enters them in the index.  A failed write (ENOSPC, EIO, a short
-write) truncates the segment back to where the batch began.  Each process appends only to
-segments it created and holds shared (flock) while it does; a segment is sealed once past the
-segment size (``file_segments.segment_size``), and the next batch opens a new one.
-A ``batch_set`` of a key already indexed with the same size, whose record on disk is still live,
-is a success that writes nothing: the key names the content (the same key is the same prefix's
-KV), so the first copy stays.
+segment, one ``pwritev`` per chunk of up to 8 MiB (a helper thread checksums the next chunk
+meanwhile), then makes them durable with one ``fdatasync`` (option ``fsync``, default on; plus one
+directory fsync when the segment is new), and only then reports OK and enters them in the index.
+A failed write (ENOSPC, EIO, a short write) truncates the segment back to where the batch began.
+Each process appends only to segments it created and holds shared (flock) while it does; a
+segment is sealed once past the segment size (``file_segments.segment_size``), and the next batch
+opens a new one.  A ``batch_set`` of a key already indexed with the same size, whose record on
+disk is still live, is a success that writes nothing: the key names the content (the same key is
+the same prefix's KV), so the first copy stays.
 
 Reads: the keys of a ``batch_get`` are grouped per segment and sorted by offset; each run of
 adjacent records is one ``preadv`` into the callers' buffers (headers into a scratch buffer);
-then every header must equal byte for byte the one the index expects and every payload's CRC
+then every header must equal, field for field, the one the index expects and every payload's CRC
 must match, or the key is a miss.  A record whose header is valid but whose payload fails its
 CRC is ``CORRUPT``: logged, marked dead on disk (so no process, and no restart, serves it again)
 and no bytes reported as read; one whose header is damaged is ``CORRUPT`` too and is dropped from
 the index; one another process deleted meanwhile is ``NOT_FOUND``.
 
-Why a crash never yields wrong data: (1) a record is trusted only when its header checksum, its
-key digest and its payload CRC all pass, at every read and every scan, so a torn or half-flushed
-record, whatever the crash left of it, is a miss; (2) bytes are only ever appended past the end
-of a segment its own process writes, or truncated back to a batch's start there, so a crash in a
-write cannot touch a record written before it; the only in-place write is the 4-byte dead magic,
-which lands or not, and a torn one is neither magic: a miss; (3) a compaction copies records
-verbatim after checking them and removes the old segment only once the copies are durable, so a
-crash between leaves two right copies; (4) OK is reported only after the fdatasync.  The index is
-rebuilt on open by scanning every segment's headers (a torn tail or a damaged record in the
-middle is stepped over, ``file_segments.scan``); no separate index file can disagree with the
-segments.  The order of objects after a restart is their write order (reads are not recorded on
-disk).
+Why a crash never yields wrong data: (1) a record enters the index only when its header is valid
+(its own CRC, a known magic and version), and is served only when the header read back is the one
+the index expects (same key digest, length and payload CRC, still live) and the payload's CRC32
+matches, at every read; so a torn or half-flushed record, whatever the crash left of it, is a
+miss; (2) bytes are only ever appended past the end of a segment its own process writes, or
+truncated back to a batch's start there, so a crash in a write cannot touch a record written
+before it; the only in-place write is the 4-byte dead magic, which lands or not, and a torn one
+is neither magic: a miss; (3) a compaction copies records verbatim after checking them and
+removes the old segment only once the copies are durable, so a crash between leaves two right
+copies; (4) OK is reported only after the fdatasync.  The index is rebuilt on open by scanning
+every segment's headers (a torn tail or a damaged record in the middle is stepped over,
+``file_segments.scan``); no separate index file can disagree with the segments.  The order of
+objects after a restart is their write order (reads are not recorded on disk).
 
 Capacity (file_space.py): an in-memory LRU index (key digest -> record) counts header + payload
 of every live object (``used_bytes``); a set that would exceed ``capacity_bytes`` first evicts the
@@ -85,11 +90,12 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
+from .file_checksums import Checksummer
 from .file_index import IndexMixin
 from .file_segments import DEAD, HEADER_SIZE, LIVE, Entry, Segment
 from .file_space import SpaceMixin, group_of
 from .file_store_io import (
-    DEFAULT_CAPACITY, DEFAULT_ROOT, DIR_MODE, ENV_CAPACITY, ENV_ROOT, OPTIONS, makedirs_private,
+    DEFAULT_CAPACITY, DEFAULT_ROOT, DIR_MODE, ENV_CAPACITY, ENV_ROOT, OPTIONS, Views, makedirs_private,
     resolve_options, tighten, valid_ptr, valid_size,
 )
 from .file_store_read import ReadMixin
@@ -174,7 +180,8 @@ class FileStore(WriteMixin, ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
         self._disk = 0                        # bytes of all segments this instance knows
         self._last_refresh = 0.0
         self._closed = False
-        self._pool = None
+        self._checksums = Checksummer()
+        self._views = Views()
         self._open()
         logger.info("file store %s: %d objects in %d segments, %d of %d bytes used (%d on disk), segment size %d, "
                     "fsync %s", self.directory, len(self._index), len(self._segments), self._used,
@@ -324,8 +331,6 @@ class FileStore(WriteMixin, ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
             self._bury()
             with self._lock:
                 self._reset()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._checksums.close()
 
     _digest = staticmethod(functools.lru_cache(maxsize=1 << 16)(_key_digest))

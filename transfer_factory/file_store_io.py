@@ -36,6 +36,24 @@ def raw_view(ptr: int, size: int) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
 
 
+class Views:
+    """``raw_view`` remembered per (pointer, size): callers hand the same staging buffers over and
+    over.  A view owns nothing; it is used only while its caller passes that pointer again."""
+
+    def __init__(self, limit: int = 1 << 14) -> None:
+        self._views: dict[tuple[int, int], memoryview] = {}
+        self._limit = limit
+
+    def __call__(self, ptr: int, size: int) -> memoryview:
+        key = (ptr, size)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= self._limit:
+                self._views.clear()
+            v = self._views[key] = raw_view(ptr, size)
+        return v
+
+
 def valid_ptr(ptr: Any) -> bool:
     return isinstance(ptr, int) and not isinstance(ptr, bool) and ptr > 0
 

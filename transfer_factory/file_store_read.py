@@ -3,46 +3,23 @@
 A batch is read with one ``preadv`` per run of adjacent records of one segment (headers into a
 scratch buffer, payloads straight into the callers' buffers), then checked: every header must be
 byte for byte the one the index expects and every payload's CRC must match, or the key is a miss.
-Checksums of large batches are computed on two threads (zlib releases the GIL).
+Checksums of large batches are computed by a helper thread while the next chunk is read.
 """
 from __future__ import annotations
 
 import logging
-import os
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from .file_segments import _HEADER, FORMAT_VERSION, HEADER_SIZE, LIVE, Entry, parse_header
-from .file_store_io import raw_view, read_all_at, valid_ptr, valid_size
+from .file_checksums import PARALLEL_BYTES, chunked
+from .file_store_io import read_all_at, valid_ptr, valid_size
 from .kvcache_storage import BUFFER_TOO_SMALL, CORRUPT, INVALID, NOT_FOUND, UNAVAILABLE
 
 logger = logging.getLogger("transfer_factory.file_store")
 
-PARALLEL_CRC_BYTES = 1 << 20          # checksums of a batch at least this big are split over two threads
-_SPLIT = max(1, min(2, os.cpu_count() or 1))
 
 
 class ReadMixin:
-    # ------------------------------------------------------------------------------------ checksums
-    def _crc_many(self, view_lists: list[list]) -> list[int]:
-        """The CRC of each object (its views in order); big batches on two threads."""
-        total = sum(len(v) for views in view_lists for v in views)
-        if _SPLIT < 2 or total < PARALLEL_CRC_BYTES or len(view_lists) < 2 or self._closed:
-            return [_crc(views) for views in view_lists]
-        # Split at the object nearest half the bytes: the pool's thread takes the first part.
-        acc, cut = 0, 0
-        for cut, views in enumerate(view_lists):
-            acc += sum(len(v) for v in views)
-            if acc * 2 >= total:
-                break
-        cut = max(1, cut)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="file-store-crc")
-        head = self._pool.submit(lambda: [_crc(views) for views in view_lists[:cut]])
-        tail = [_crc(views) for views in view_lists[cut:]]
-        return head.result() + tail
-
     # ------------------------------------------------------------------------------------ exists
     def exists(self, keys: Sequence[str]) -> list[int]:
         if not self._usable():
@@ -89,7 +66,7 @@ class ReadMixin:
         out = [NOT_FOUND] * n
         digest = self._digest
         digests = [digest(k) if type(k) is str and k else None for k in keys]
-        index = self._index
+        index, raw_view = self._index, self._views
         with self._lock:
             missing = any(d not in index for d in digests if d is not None)
         if missing:
@@ -147,28 +124,40 @@ class ReadMixin:
         scratch = bytearray(HEADER_SIZE * count)
         sv = memoryview(scratch)
         whole = [False] * count
-        j = 0
-        while j < count:
-            seg, start = reads[j][4], reads[j][1]
-            bufs, k, end = [], j, start
-            while k < count and reads[k][4] is seg and reads[k][1] == end:
-                bufs.append(sv[k * HEADER_SIZE:(k + 1) * HEADER_SIZE])
-                bufs += reads[k][7]
-                end += HEADER_SIZE + reads[k][5]
-                k += 1
-            try:
-                got = start + read_all_at(seg.fd, bufs, start)
-            except OSError as exc:
-                logger.warning("file store %s: cannot read %s: %s", self.directory, seg.name, exc)
+        # Runs of adjacent records, cut into chunks for big batches: while the next chunk is read,
+        # the helper thread checksums the one before.
+        sizes = [HEADER_SIZE + r[5] for r in reads]
+        big = sum(sizes) >= PARALLEL_BYTES
+        pieces = chunked(sizes) if big else [(0, count)]
+        overlap = len(pieces) > 1
+        pending = []                                      # (record indexes, CRCs later)
+        for lo, hi in pieces:
+            j = lo
+            while j < hi:
+                seg, start = reads[j][4], reads[j][1]
+                bufs, k, end = [], j, start
+                while k < hi and reads[k][4] is seg and reads[k][1] == end:
+                    bufs.append(sv[k * HEADER_SIZE:(k + 1) * HEADER_SIZE])
+                    bufs += reads[k][7]
+                    end += sizes[k]
+                    k += 1
+                try:
+                    got = start + read_all_at(seg.fd, bufs, start)
+                except OSError as exc:
+                    logger.warning("file store %s: cannot read %s: %s", self.directory, seg.name, exc)
+                    for m in range(j, k):
+                        out[reads[m][2]] = UNAVAILABLE
+                    j = k
+                    continue
                 for m in range(j, k):
-                    out[reads[m][2]] = UNAVAILABLE
+                    whole[m] = got >= reads[m][1] + sizes[m]
                 j = k
-                continue
-            for m in range(j, k):
-                whole[m] = got >= reads[m][1] + HEADER_SIZE + reads[m][5]
-            j = k
-        checked = [m for m in range(count) if whole[m]]
-        crcs = dict(zip(checked, self._crc_many([reads[m][7] for m in checked])))
+            members = [m for m in range(lo, hi) if whole[m]]
+            views = [reads[m][7] for m in members]
+            pending.append((members, self._checksums.later(views) if overlap else views))
+        crcs = {}
+        for members, later in pending:
+            crcs.update(zip(members, later.get() if overlap else self._checksums.all(later)))
         unpack = _HEADER.unpack_from
         hits, gone, corrupt = [], [], []
         for m, (_, offset, i, d, seg, length, crc, _, hcrc) in enumerate(reads):
@@ -205,10 +194,3 @@ class ReadMixin:
                            reason, "marked dead" if mark else "forgotten")
             if mark:
                 self._mark_dead(d, Entry(seg, offset, length, crc, hcrc))
-
-
-def _crc(views) -> int:
-    crc = 0
-    for v in views:
-        crc = zlib.crc32(v, crc)
-    return crc

@@ -9,8 +9,9 @@ from typing import Any, Sequence
 
 from .file_segments import DEAD, HEADER_SIZE, Entry, header_crc, lock_shared, pack_header, parse_header, unlock, \
     unpack_header
+from .file_checksums import chunked
 from .file_space import group_of
-from .file_store_io import raw_view, valid_ptr, valid_size
+from .file_store_io import valid_ptr, valid_size
 from .kvcache_storage import CODE_NAMES, INVALID, NO_SPACE, OK, UNAVAILABLE
 
 logger = logging.getLogger("transfer_factory.file_store")
@@ -99,7 +100,7 @@ class WriteMixin:
                            "objects of the same batch", self.directory, key, total, self.capacity_bytes)
             return NO_SPACE, 0
         self._used += total                           # reserved until the commit enters the record
-        plan[d] = (i, [raw_view(p, s) for p, s in zip(ptrs, sizes) if s], length)
+        plan[d] = (i, [self._views(p, s) for p, s in zip(ptrs, sizes) if s], length)
         return OK, total
 
     def _unplan_failed(self, keys, digests, out, failed, members, plan, doomed) -> int:
@@ -129,16 +130,31 @@ class WriteMixin:
         """Appends the planned records with one write and one sync (retrying once after a full
         disk made room), then enters them in the index; the error when the write failed."""
         digests = list(plan)
-        crcs = self._crc_many([plan[d][1] for d in digests])
-        records = [(pack_header(plan[d][2], crc, d), plan[d][1], plan[d][2], crc) for d, crc in zip(digests, crcs)]
+        views = [plan[d][1] for d in digests]
+        lengths = [plan[d][2] for d in digests]
+        total = sum(lengths) + HEADER_SIZE * len(lengths)
+        ranges = chunked([HEADER_SIZE + n for n in lengths])
+        records: list = []
+
+        def chunks():
+            # Records chunk by chunk: the helper checksums the next chunk while this one is written.
+            for (a, b), crcs in zip(ranges, self._checksums.stream(views, ranges)):
+                chunk = [(pack_header(lengths[i], crc, digests[i]), views[i], lengths[i], crc)
+                         for i, crc in zip(range(a, b), crcs)]
+                records.extend(chunk)
+                yield chunk
+
         with self._wlock:
             try:
+                made = chunks()
                 try:
-                    seg, offsets = self._append(records)
+                    seg, offsets = self._append(made, total)
                 except OSError as exc:
                     if exc.errno not in self.full_errnos or not self._make_room(reserved, keep, exc.errno):
                         raise
-                    seg, offsets = self._append(records)          # once: then fail cleanly
+                    for _ in made:                                 # the chunks the failed write did not reach
+                        pass
+                    seg, offsets = self._append([records], total)  # once: then fail cleanly
             except OSError as exc:
                 with self._lock:
                     self._used -= reserved
