@@ -149,6 +149,8 @@ def print_summary(r: dict, args: argparse.Namespace) -> None:
         ("verified blocks", f"{r['verified_blocks']} transferred and bit-exact, {r['corrupt_blocks']} corrupt"),
         ("device hits", f"{r['device_hits']} (checked; no bytes moved)"),
     ]
+    if "store_cleanup_s" in r:
+        rows.append(("temporary store", f"removed in {r['store_cleanup_s']:.2f} s"))
     if r.get("instances", 1) > 1:
         rows += replay_instances.summary_rows(r)
     width = max(len(k) for k, _ in rows)
@@ -207,6 +209,7 @@ def run_with_storage(args: argparse.Namespace, spec: CacheSpec, requests: list[R
     reaper = None
     master = None
     storage_options: dict = {}
+    result: dict | None = None
     try:
         if args.storage == "file":
             if args.storage_root:
@@ -250,7 +253,10 @@ def run_with_storage(args: argparse.Namespace, spec: CacheSpec, requests: list[R
             master.stop()
             master.cleanup()
         if reaper is not None:
+            t0 = time.perf_counter()
             reaper.close()
+            if result is not None:  # what removing the run's store took (a segment store: a few files)
+                result["store_cleanup_s"] = time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------- main
