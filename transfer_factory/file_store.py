@@ -207,15 +207,15 @@ class FileStore(WriteMixin, ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
             e = self._index.get(self._digest(key))
             return None if e is None else Location(Path(e.seg.path), e.offset, e.size)
 
-    def _note_blocks(self, digests: Sequence[bytes | None], keys: Sequence[Any], done: Sequence[bool]) -> None:
+    def _note_blocks(self, digests: Sequence[bytes | None], keys: Sequence[Any], done: Sequence[bool],
+                     groups: Sequence[str | None] | None = None) -> None:
         """Remembers which objects form one block, for blocks whose every object just succeeded."""
         siblings = self._siblings
         if all(d is None or d in siblings for d in digests):
             return                                        # nothing new (the common read of stored blocks)
         blocks: dict[str, list[bytes]] = {}
         failed: set[str] = set()
-        for key, d, ok in zip(keys, digests, done):
-            group = group_of(key)
+        for group, d, ok in zip(groups if groups is not None else map(group_of, keys), digests, done):
             if group is not None and d is not None:
                 blocks.setdefault(group, []).append(d)
                 if not ok:

@@ -33,6 +33,7 @@ class WriteMixin:
         self._maybe_refresh()
         out = [OK] * n
         digests: list[bytes | None] = [self._digest(k) if isinstance(k, str) and k else None for k in keys]
+        groups = [group_of(k) for k in keys]
         failed: dict[str, int] = {}                   # group -> the code of its first failed member
         members: dict[str, list[int]] = {}            # group -> indexes of its members reported OK
         plan: dict[bytes, tuple[int, list[memoryview], int]] = {}   # digest -> (index, views, payload_len)
@@ -40,7 +41,7 @@ class WriteMixin:
         reserved = 0
         with self._lock:
             for i, key in enumerate(keys):
-                group = group_of(key)
+                group = groups[i]
                 if group is not None and group in failed:
                     out[i] = failed[group]
                     continue
@@ -61,16 +62,15 @@ class WriteMixin:
                 code = NO_SPACE if getattr(err, "errno", None) in self.full_errnos else UNAVAILABLE
                 for i, _, _ in plan.values():
                     out[i] = code
-                    group = group_of(keys[i])
-                    if group is not None:
-                        failed.setdefault(group, code)
+                    if groups[i] is not None:
+                        failed.setdefault(groups[i], code)
                 logger.warning("file store %s: cannot write %d objects (%d bytes): %s", self.directory, len(plan),
                                sum(length for _, _, length in plan.values()), err)
                 with self._lock:
                     self._unplan_failed(keys, digests, out, failed, members, {}, doomed)
         for d, e in doomed:
             self._mark_dead(d, e)
-        self._note_blocks(digests, keys, [code == OK for code in out])
+        self._note_blocks(digests, keys, [code == OK for code in out], groups)
         return out
 
     def _plan_one(self, key: Any, d: bytes | None, ptrs: list[int], sizes: list[int],
