@@ -150,6 +150,28 @@ def test_the_store_filling_the_disk_itself_evicts_its_oldest_blocks(small_fs: Pa
     store.close()
 
 
+def test_small_objects_sharing_segments_fill_the_disk_and_whole_segments_go(small_fs: Path) -> None:
+    """Blocks of two 8 KB objects: about eight share each 128 KiB segment.  Filling the disk, the
+    store drops its oldest whole segments and every write succeeds; what remains is the newest
+    blocks, none of them half, bit-exact."""
+    n = 8000
+    store = FileStore(NS, 0, {"root": str(small_fs / "store"), "fsync": True})
+    data: dict[int, list[np.ndarray]] = {}
+    for i in range(400):
+        data[i] = [rand(n, 2 * i), rand(n, 2 * i + 1)]
+        assert store.batch_set(batch_of([i]), [a.ctypes.data for a in data[i]], [n, n]) == [OK, OK], i
+    present = [i for i in data if store.exists(block_keys(i)) == [1, 1]]
+    assert [i for i in data if store.exists(block_keys(i)) in ([1, 0], [0, 1])] == []
+    assert present == list(range(400 - len(present), 400)) and 50 <= len(present) < 200
+    for i in present:
+        outs = [np.zeros(n, dtype=np.uint8) for _ in range(2)]
+        assert store.batch_get(block_keys(i), [o.ctypes.data for o in outs], [n, n]) == [n, n]
+        assert np.array_equal(outs[0], data[i][0]) and np.array_equal(outs[1], data[i][1])
+    segments = [f for f in files_under(small_fs) if f.endswith(".seg")]
+    assert len(segments) < len(present) // 4                # many blocks per segment
+    store.close()
+
+
 def test_a_disk_full_of_other_files_keeps_the_cache(small_fs: Path) -> None:
     """When evicting everything could not make room, nothing is evicted: the write fails, the cache stays."""
     n = 8000
