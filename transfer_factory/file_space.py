@@ -15,10 +15,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import zlib
 from typing import Any, Iterator
 
-from .file_segments import DEAD, HEADER_SIZE, Segment, try_lock_exclusive, unlock, unpack_header
+from .file_segments import DEAD, HEADER_SIZE, Segment, payload_checksum, try_lock_exclusive, unlock, unpack_header
 from .file_store_io import fs_space, on_disk, read_all_at
 from .keys import KINDS
 
@@ -246,7 +245,7 @@ class SpaceMixin:
                     except OSError:
                         got = 0
                     if (got != e.size or unpack_header(rec) != e.fields(d)
-                            or zlib.crc32(rec[HEADER_SIZE:]) != e.crc):
+                            or payload_checksum([rec[HEADER_SIZE:]]) != e.crc):
                         with self._lock:
                             if self._index.get(d) is e:
                                 self._drop_entry_locked(d)
