@@ -125,9 +125,6 @@ def payload_checksum(views) -> int:
     return h.intdigest() & 0xFFFFFFFF
 
 
-crc_of = payload_checksum
-
-
 class Found(NamedTuple):
     offset: int
     header: Header

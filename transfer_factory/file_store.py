@@ -13,8 +13,8 @@ file_store_read.py, file_index.py (open, scan, refresh, append), file_space.py (
 eviction, reclaiming, full disks), file_checksums.py, file_store_io.py (options, modes, I/O).
 
 Writes (group commit): a ``batch_set`` appends all its new records to this instance's *active*
-segment, one ``pwritev`` per chunk of up to 8 MiB (a helper thread checksums the next chunk
-meanwhile), then makes them durable with one ``fdatasync`` (option ``fsync``, default on; plus one
+segment, one ``pwritev`` per chunk of up to 8 MiB (each chunk checksummed with XXH3 just before),
+then makes them durable with one ``fdatasync`` (option ``fsync``, default on; plus one
 directory fsync when the segment is new), and only then reports OK and enters them in the index.
 A failed write (ENOSPC, EIO, a short write) truncates the segment back to where the batch began.
 Each process appends only to segments it created and holds shared (flock) while it does; a

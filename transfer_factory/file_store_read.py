@@ -2,8 +2,7 @@
 
 A batch is read with one ``preadv`` per run of adjacent records of one segment (headers into a
 scratch buffer, payloads straight into the callers' buffers), then checked: every header must be
-byte for byte the one the index expects and every payload's CRC must match, or the key is a miss.
-Checksums of large batches are computed by a helper thread while the next chunk is read.
+byte for byte the one the index expects and every payload's checksum must match, or the key is a miss.
 """
 from __future__ import annotations
 
@@ -124,8 +123,8 @@ class ReadMixin:
         scratch = bytearray(HEADER_SIZE * count)
         sv = memoryview(scratch)
         whole = [False] * count
-        # Runs of adjacent records, cut into chunks for big batches: while the next chunk is read,
-        # the helper thread checksums the one before.
+        # Runs of adjacent records, cut into chunks for big batches; the checksums follow once
+        # every chunk is read.
         sizes = [HEADER_SIZE + r[5] for r in reads]
         big = sum(sizes) >= PARALLEL_BYTES
         pieces = chunked(sizes) if big else [(0, count)]

@@ -137,7 +137,7 @@ class WriteMixin:
         records: list = []
 
         def chunks():
-            # Records chunk by chunk: the helper checksums the next chunk while this one is written.
+            # Records chunk by chunk, each checksummed just before it is written.
             for (a, b), crcs in zip(ranges, self._checksums.stream(views, ranges)):
                 chunk = [(pack_header(lengths[i], crc, digests[i]), views[i], lengths[i], crc)
                          for i, crc in zip(range(a, b), crcs)]
