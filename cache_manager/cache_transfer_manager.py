@@ -69,6 +69,10 @@ from .layer_progress import LAYER_PROGRESS_SIGNAL
 from .layerwise_copy import RankLayerBoard, copy_layerwise, publishing
 
 CACHE_DTYPES = ("uint8", "bfloat16", "block_wise_fp8")
+# A swap this small takes a few microseconds of memcpy, less than handing it to a pool thread:
+# the serve thread runs it (on platforms whose copies cannot stall).  Bigger swaps stay on pools,
+# so the serve thread never stops polling for long.
+INLINE_SWAP_MAX_BYTES = 256 << 10
 IDLE_POLL_MS = 250  # an idle rank wakes this often to look at kv_cache_status and the engine
 EXIT_TIMEOUT_ENV = "FD_CACHE_PROC_EXIT_TIMEOUT"
 
@@ -456,7 +460,9 @@ class CacheTransferManager:
         if isinstance(task, SwapTask):
             kind = "swap_to_cpu" if task.event_type == CacheStatus.SWAP2CPU else "swap_to_gpu"
             touched = [("gpu", g) for g in task.gpu_block_ids] + [("cpu", c) for c in task.cpu_block_ids]
-            submit(task.task_id, seq, kind, touched, deadline, lambda: self._swap(task, deadline))
+            inline = (self.platform.copies_cannot_stall and task.layerwise is None
+                      and len(task.gpu_block_ids) * self._block_bytes_all_layers <= INLINE_SWAP_MAX_BYTES)
+            submit(task.task_id, seq, kind, touched, deadline, lambda: self._swap(task, deadline), inline=inline)
         elif isinstance(task, ControlTask):
             submit(task.task_id, seq, "control", (), deadline, lambda: self._control(task))
         else:

@@ -40,7 +40,7 @@ from .cache_tasks import RankResult
 from .queue_checks import (DropLog, LoopErrors, Refused, barrier_fields, is_int, rank_result_from_body,
                            unsupported_result_fields)
 from .queue_client import (NONCE_BYTES, POLL_MS, RECV_BATCH, EngineCacheQueueClient, Waker, peer_name,
-                           socket_options)
+                           readable, socket_options)
 from .queue_session import CONTROL, DOWN, TASKS, UP, Registry, Session, stream
 
 __all__ = ["EngineCacheQueueClient", "EngineCacheQueueServer"]
@@ -135,10 +135,13 @@ class EngineCacheQueueServer:
         Returns the ranks it could not reach (not registered, disconnected, or a send that
         would block): the task is never silently lost on a rank."""
         with self._send_lock:
-            self._pump_locked()
-            payload = wire.pack({"type": "task", "seq": next(self._seq), "task": task})
             with self._lock:
                 targets = self._reg.reachable()
+            if len(targets) < self.num_ranks:  # a rank may have said hello since: register it first
+                self._pump_locked()
+                with self._lock:
+                    targets = self._reg.reachable()
+            payload = wire.pack({"type": "task", "seq": next(self._seq), "task": task})
             return [rank for rank in range(self.num_ranks) if not self._send_task(targets.get(rank), payload)]
 
     def _send_task(self, session: Session | None, payload: bytes) -> bool:
@@ -228,6 +231,8 @@ class EngineCacheQueueServer:
             self._waker.drain()  # only ever rung to stop the loop
         if self._router in events:
             for _ in range(RECV_BATCH):  # bounded batch, then service the doorbell and deadlines again
+                if not readable(self._router):
+                    break
                 try:
                     frames = self._router.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:

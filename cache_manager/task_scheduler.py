@@ -7,7 +7,7 @@ order).  Contracts:
   submission order, whatever their kinds: a task waits for every earlier task that shares a
   resource with it, and only then goes to its kind's thread pool.  Unrelated tasks run in
   parallel.  Waiting costs no thread: a task is submitted from its last predecessor's
-  completion.
+  completion.  A small host copy with nothing to wait for runs on the serve thread itself.
 * **Deadlines.** A task whose deadline (``time.monotonic()``, CLOCK_MONOTONIC, one clock for
   every process of the host) has passed is never started.  A task still waiting for a
   predecessor at its deadline is answered then ("never started"); it keeps its place in the
@@ -67,7 +67,10 @@ class TaskScheduler:
 
     # ------------------------------------------------------------------ intake (serve thread)
     def submit(self, task_id: str, seq: int, pool: str, resources: Iterable[Resource], deadline: float | None,
-               fn: Callable[[], Any], drop_value: Any = FAIL) -> None:
+               fn: Callable[[], Any], drop_value: Any = FAIL, inline: bool = False) -> None:
+        """Queue ``fn`` behind every earlier task that shares a resource with it.  ``inline``: the
+        body is short and cannot block (a small host copy), so when nothing blocks it, it runs
+        here, on the calling thread, without the hand-off to its pool (a round trip's largest cost)."""
         entry = _Entry(task_id, seq, pool, fn, frozenset(resources), deadline, drop_value)
         with self._lock:
             self._active += 1
@@ -75,10 +78,16 @@ class TaskScheduler:
             blockers = {b for b in blockers if not b.done.done()}
             for r in entry.resources:
                 self._last[r] = entry
-            entry.blockers = len(blockers) + 1  # +1: released below, once every callback is attached
-            self._waiting.add(entry)
-            if deadline is not None and blockers:
-                heapq.heappush(self._deadlines, (deadline, seq, entry))
+            if inline and not blockers:
+                entry.state = "queued"
+            else:
+                entry.blockers = len(blockers) + 1  # +1: released below, once every callback is attached
+                self._waiting.add(entry)
+                if deadline is not None and blockers:
+                    heapq.heappush(self._deadlines, (deadline, seq, entry))
+        if entry.state == "queued":
+            self._run(entry)
+            return
         for b in blockers:
             b.done.add_done_callback(lambda _f, e=entry: self._unblock(e))
         self._unblock(entry)

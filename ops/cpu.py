@@ -66,6 +66,7 @@ class CpuPlatform(Platform):
 
     name = "cpu"
     host_addressable = True
+    copies_cannot_stall = True
     takes_instance = True
 
     def __init__(self, instance: str | None = None, copy_threads: int | None = None):

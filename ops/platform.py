@@ -65,6 +65,9 @@ class Platform(ABC):
     # The copy engines the platform offers (the first is its default), chosen with
     # ``ops.get_platform(name, copy_engine=...)``; () where the platform has one fixed way to copy.
     copy_engines: tuple[str, ...] = ()
+    # True where a block copy is a plain memcpy of host memory that cannot stall on a device:
+    # the CTM then runs a small swap on its serve thread instead of handing it to a pool.
+    copies_cannot_stall: bool = False
 
     @property
     def segment_prefix(self) -> str:
