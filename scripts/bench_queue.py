@@ -11,7 +11,8 @@ kv_heads 2, block_size 16, head_dim 64, bf16, 64 host blocks) it measures:
   pipelined    --pipelined one-block swap tasks all submitted before any is waited for;
                tasks/s = count / elapsed
   floor        a bare zmq fan-out round trip to the same number of processes, one small
-               HMAC'd msgpack frame out and one back (scripts/zmq_floor.py), measured in the same run
+               HMAC'd msgpack frame out and one back (scripts/zmq_floor.py), measured in the same
+               run: slices of 100 of our round trips alternate with 100 floor rounds
 Targets (DESIGN §5, printed, not asserted): idle rank < 1% of a core, p50 <= 1.5x and p99 <= 3x
 the floor.
 Prints a table, then one JSON line.
@@ -32,13 +33,14 @@ quiet_paddle()
 import numpy as np  # noqa: E402
 
 from engine_hooks import CacheSpec, CacheTransferService  # noqa: E402
-from zmq_floor import floor_round_trips  # noqa: E402
+from zmq_floor import FloorRanks  # noqa: E402
 
 NUM_BLOCKS = 64
 SPEC = CacheSpec(num_layers=2, num_blocks=NUM_BLOCKS, kv_heads=2, block_size=16, head_dim=64,
                  cache_dtype="bfloat16")
 RESULT_TIMEOUT = 60.0
 WARMUP_TASKS = 50
+SLICE = 100  # round trips per interleaved slice (ours, then the floor's)
 SETTLE_SECONDS = 1.0
 IDLE_TARGET_PCT = 1.0
 P50_OVER_FLOOR = 1.5
@@ -70,17 +72,25 @@ def swap(svc: CacheTransferService, i: int) -> Future:
     return (svc.swap_to_cpu if i % 2 == 0 else svc.swap_to_gpu)(block, block)
 
 
-def round_trips(svc: CacheTransferService, count: int) -> tuple[np.ndarray, float]:
-    """Per-task latency (ms) of ``count`` tasks run one at a time, and their total elapsed seconds."""
+def round_trips(svc: CacheTransferService, floor: FloorRanks, count: int) -> tuple[np.ndarray, float, np.ndarray]:
+    """Per-task latency (ms) of ``count`` tasks run one at a time, their total elapsed seconds
+    (floor rounds excluded), and the floor's per-round latency, measured in interleaved slices
+    of ``SLICE`` so that drift on a shared machine hits both alike."""
     for i in range(WARMUP_TASKS):
         swap(svc, i).result(RESULT_TIMEOUT)
+    floor.round_trips(0, WARMUP_TASKS)
     lat = np.empty(count)
-    start = time.perf_counter()
-    for i in range(count):
-        t0 = time.perf_counter()
-        swap(svc, i).result(RESULT_TIMEOUT)
-        lat[i] = (time.perf_counter() - t0) * 1e3
-    return lat, time.perf_counter() - start
+    floors = []
+    elapsed = 0.0
+    for lo in range(0, count, SLICE):
+        start = time.perf_counter()
+        for i in range(lo, min(lo + SLICE, count)):
+            t0 = time.perf_counter()
+            swap(svc, i).result(RESULT_TIMEOUT)
+            lat[i] = (time.perf_counter() - t0) * 1e3
+        elapsed += time.perf_counter() - start
+        floors.append(floor.round_trips(min(SLICE, count - lo)))
+    return lat, elapsed, np.concatenate(floors)
 
 
 def pipelined(svc: CacheTransferService, count: int) -> float:
@@ -93,13 +103,13 @@ def pipelined(svc: CacheTransferService, count: int) -> float:
 
 
 def bench_tp(tp: int, args: argparse.Namespace) -> dict:
-    with CacheTransferService(SPEC, tp=tp, num_cpu_blocks=NUM_BLOCKS, task_timeout=RESULT_TIMEOUT) as svc:
+    with CacheTransferService(SPEC, tp=tp, num_cpu_blocks=NUM_BLOCKS, task_timeout=RESULT_TIMEOUT) as svc, \
+            FloorRanks(tp) as floor_ranks:
         time.sleep(SETTLE_SECONDS)
         idle = idle_cpu(svc, args.idle_seconds)
-        lat, elapsed = round_trips(svc, args.tasks)
+        lat, elapsed, floor = round_trips(svc, floor_ranks, args.tasks)
         pipe_elapsed = pipelined(svc, args.pipelined)
     p50, p90, p99 = np.percentile(lat, [50, 90, 99])
-    floor = floor_round_trips(tp, args.tasks)
     f50, f99 = np.percentile(floor, [50, 99])
     return {
         "tp": tp,
@@ -123,7 +133,7 @@ def verdict(ok: bool) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes to run")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4], help="tensor-parallel sizes to run")
     parser.add_argument("--idle-seconds", type=float, default=5.0, help="idle CPU window")
     parser.add_argument("--tasks", type=int, default=1000, help="one-at-a-time tasks timed (at least 500 for the report)")
     parser.add_argument("--pipelined", type=int, default=1000, help="tasks submitted before waiting for any")

@@ -3,8 +3,9 @@
 The bench process binds a ROUTER on loopback; N child processes connect a DEALER each.  One round
 is one small msgpack frame with an HMAC-SHA256 sent to every rank and one such frame back from
 each, verified on both sides: the transport and the authentication our queue uses, with no CTM
-logic (no scheduler, no copies, no futures).  ``floor_round_trips(n, rounds)`` returns per-round
-milliseconds.
+logic (no scheduler, no copies, no futures).  ``FloorRanks(n).round_trips(rounds)`` returns per-round
+milliseconds; the processes stay up between calls, so a benchmark can interleave floor rounds
+with its own and a drifting machine moves both alike.
 """
 from __future__ import annotations
 
@@ -40,48 +41,77 @@ while True:
 """
 
 
-def floor_round_trips(ranks: int, rounds: int, warmup: int = 50, timeout_ms: int = 10_000) -> np.ndarray:
-    key = os.urandom(32)
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    children = [subprocess.Popen([sys.executable, "-c", _CHILD, str(port), str(r), key.hex()])
-                for r in range(ranks)]
-    try:
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        peers = []
-        while len(peers) < ranks:
-            if not poller.poll(timeout_ms):
-                raise TimeoutError("a floor rank did not connect")
-            peers.append(router.recv_multipart()[0])
+class FloorRanks:
+    """The floor's rank processes, kept alive so its rounds can interleave with the measured ones."""
+
+    def __init__(self, ranks: int, timeout_ms: int = 10_000):
+        self._key = os.urandom(32)
+        self._timeout_ms = timeout_ms
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        port = self._router.bind_to_random_port("tcp://127.0.0.1")
+        self._children = [subprocess.Popen([sys.executable, "-c", _CHILD, str(port), str(r), self._key.hex()])
+                          for r in range(ranks)]
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._peers: list[bytes] = []
+        self._next = 0
+        try:
+            while len(self._peers) < ranks:
+                if not self._poller.poll(timeout_ms):
+                    raise TimeoutError("a floor rank did not connect")
+                self._peers.append(self._router.recv_multipart()[0])
+        except BaseException:
+            self.close()
+            raise
+
+    def _sealed(self, body: dict) -> bytes:
+        packed = msgpack.packb(body)
+        return packed + hmac.new(self._key, packed, hashlib.sha256).digest()
+
+    def round_trips(self, rounds: int, warmup: int = 0) -> np.ndarray:
+        """Per-round milliseconds of ``rounds`` rounds, after ``warmup`` untimed ones."""
         lat = np.empty(rounds)
         for i in range(-warmup, rounds):
-            body = msgpack.packb({"task_id": f"f{i}", "event_type": 1, "gpu_block_ids": [i % 64],
-                                  "cpu_block_ids": [i % 64]})
-            frame = body + hmac.new(key, body, hashlib.sha256).digest()
+            n = self._next
+            self._next += 1
+            frame = self._sealed({"task_id": f"f{n}", "event_type": 1, "gpu_block_ids": [n % 64],
+                                  "cpu_block_ids": [n % 64]})
             t0 = time.perf_counter()
-            for peer in peers:
-                router.send_multipart([peer, frame])
-            for _ in peers:
-                if not poller.poll(timeout_ms):
+            for peer in self._peers:
+                self._router.send_multipart([peer, frame])
+            for _ in self._peers:
+                if not self._poller.poll(self._timeout_ms):
                     raise TimeoutError("a floor rank did not answer")
-                reply = router.recv_multipart()[1]
-                if not hmac.compare_digest(hmac.new(key, reply[:-32], hashlib.sha256).digest(), reply[-32:]):
+                reply = self._router.recv_multipart()[1]
+                if not hmac.compare_digest(hmac.new(self._key, reply[:-32], hashlib.sha256).digest(), reply[-32:]):
                     raise RuntimeError("a floor reply failed its MAC")
                 msgpack.unpackb(reply[:-32])
             if i >= 0:
                 lat[i] = (time.perf_counter() - t0) * 1e3
-        stop = msgpack.packb({"stop": True})
-        for peer in peers:
-            router.send_multipart([peer, stop + hmac.new(key, stop, hashlib.sha256).digest()])
         return lat
-    finally:
-        for child in children:
+
+    def close(self) -> None:
+        stop = self._sealed({"stop": True})
+        for peer in self._peers:
+            self._router.send_multipart([peer, stop])
+        for child in self._children:
             try:
                 child.wait(5)
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-        router.close(linger=0)
-        ctx.term()
+        self._router.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> "FloorRanks":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def floor_round_trips(ranks: int, rounds: int, warmup: int = 50, timeout_ms: int = 10_000) -> np.ndarray:
+    """Per-round milliseconds of a fresh floor: ``warmup`` untimed rounds, then ``rounds`` timed."""
+    with FloorRanks(ranks, timeout_ms) as floor:
+        return floor.round_trips(rounds, warmup)
