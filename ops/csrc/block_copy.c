@@ -12,22 +12,25 @@
  * moves; any violation raises ValueError naming the value and nothing is
  * written.  Runs of consecutive ids on both sides are merged into one
  * memcpy.  The GIL is released while bytes move, and a large copy is split
- * by bytes across worker threads.
+ * by bytes between the caller and persistent worker threads (copy_pool.c).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+
+#include "copy_pool.h"
 #if defined(__x86_64__) && defined(__SSE2__)
 #include <emmintrin.h>
 #define HAVE_STREAMING_STORES 1
 #endif
 
-/* Below this many bytes per extra thread, spawning costs more than it buys. */
+/* Below this many bytes per extra thread, waking a helper costs more than it buys. */
 #define MIN_BYTES_PER_THREAD (512 * 1024)
 #define MAX_THREADS 64
+#define CHUNKS_PER_THREAD 4
+#define MIN_CHUNK_BYTES (256 * 1024)
 
 typedef struct {
     char *dst;
@@ -39,7 +42,8 @@ typedef struct {
     const segment_t *segs;
     size_t nsegs;
     const size_t *prefix; /* prefix[i] = bytes before segment i */
-    size_t begin, end;    /* byte range of the concatenated segments */
+    size_t total;         /* bytes of the concatenated segments */
+    size_t chunk;         /* bytes per pool item, a multiple of 64 */
     int streaming;        /* copy with non-temporal stores */
 } work_t;
 
@@ -88,18 +92,19 @@ static size_t find_segment(const size_t *prefix, size_t nsegs, size_t offset)
     return lo;
 }
 
-static void *run_work(void *arg)
+/* One pool item: bytes [item * chunk, (item + 1) * chunk) of the concatenated segments. */
+static void run_chunk(void *arg, size_t item)
 {
     const work_t *w = (const work_t *)arg;
-    if (w->begin >= w->end)
-        return NULL;
-    size_t i = find_segment(w->prefix, w->nsegs, w->begin);
-    size_t pos = w->begin;
-    while (pos < w->end && i < w->nsegs) {
+    size_t begin = item * w->chunk;
+    size_t end = w->total - begin > w->chunk ? begin + w->chunk : w->total;
+    size_t i = find_segment(w->prefix, w->nsegs, begin);
+    size_t pos = begin;
+    while (pos < end && i < w->nsegs) {
         size_t seg_start = w->prefix[i];
         size_t off = pos - seg_start;
         size_t avail = w->segs[i].len - off;
-        size_t want = w->end - pos;
+        size_t want = end - pos;
         size_t n = avail < want ? avail : want;
         if (w->streaming && i + 1 < w->nsegs) {
             /* Scattered blocks defeat the hardware prefetcher at every block boundary: ask for
@@ -114,12 +119,11 @@ static void *run_work(void *arg)
     }
 #ifdef HAVE_STREAMING_STORES
     if (w->streaming)
-        _mm_sfence(); /* streamed stores are visible before this thread reports done */
+        _mm_sfence(); /* streamed stores are visible before the pool counts this item done */
 #endif
-    return NULL;
 }
 
-/* Runs the segments on up to num_threads threads; call without the GIL. */
+/* Runs the segments on the caller and up to num_threads - 1 pool workers; call without the GIL. */
 static int run_segments(const segment_t *segs, size_t nsegs, int num_threads, int allow_streaming)
 {
     if (nsegs == 0)
@@ -133,6 +137,10 @@ static int run_segments(const segment_t *segs, size_t nsegs, int num_threads, in
         total += segs[i].len;
     }
     prefix[nsegs] = total;
+    if (total == 0) {
+        free(prefix);
+        return 0;
+    }
 
     int threads = num_threads < 1 ? 1 : num_threads;
     if (threads > MAX_THREADS)
@@ -141,24 +149,17 @@ static int run_segments(const segment_t *segs, size_t nsegs, int num_threads, in
     if ((size_t)threads > useful)
         threads = useful < 1 ? 1 : (int)useful;
 
-    work_t works[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int t = 0; t < threads; t++) {
-        /* Cut points on 64-byte boundaries keep threads off each other's cache lines. */
-        size_t b = (total / threads) * t & ~(size_t)63;
-        size_t e = t == threads - 1 ? total : ((total / threads) * (t + 1) & ~(size_t)63);
-        works[t] = (work_t){segs, nsegs, prefix, b, e, allow_streaming && total >= STREAMING_MIN_TOTAL};
+    /* Several items per thread, claimed as threads come free: a thread that starts late or
+     * loses its core on a shared machine leaves its items to the others.  Cuts on 64-byte
+     * boundaries keep threads off each other's cache lines. */
+    size_t chunk = total;
+    if (threads > 1) {
+        chunk = (total / ((size_t)threads * CHUNKS_PER_THREAD) + 63) & ~(size_t)63;
+        if (chunk < MIN_CHUNK_BYTES)
+            chunk = MIN_CHUNK_BYTES;
     }
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&tids[t], NULL, run_work, &works[t]) == 0;
-    run_work(&works[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(tids[t], NULL);
-        else
-            run_work(&works[t]); /* could not spawn: do that share here */
-    }
+    work_t work = {segs, nsegs, prefix, total, chunk, allow_streaming && total >= STREAMING_MIN_TOTAL};
+    copy_pool_run(run_chunk, &work, (total + chunk - 1) / chunk, threads - 1);
     free(prefix);
     return 0;
 }
@@ -425,11 +426,17 @@ static PyObject *py_host_free(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(pool_workers_doc,
+"pool_workers() -> int\n\nCopy-pool worker threads alive in this process; a forked child starts with 0.");
+
+static PyObject *py_pool_workers(PyObject *self, PyObject *args) { return PyLong_FromLong(copy_pool_workers()); }
+
 static PyMethodDef methods[] = {
     {"copy_blocks", py_copy_blocks, METH_VARARGS, copy_blocks_doc},
     {"copy_contiguous", py_copy_contiguous, METH_VARARGS, copy_contiguous_doc},
     {"host_alloc", py_host_alloc, METH_VARARGS, host_alloc_doc},
     {"host_free", py_host_free, METH_VARARGS, host_free_doc},
+    {"pool_workers", py_pool_workers, METH_NOARGS, pool_workers_doc},
     {NULL, NULL, 0, NULL},
 };
 
