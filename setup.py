@@ -8,12 +8,21 @@ block_copy = Extension(
     extra_link_args=["-pthread"],
 )
 
+# The FileStore's batch-wide record work (key digests, headers, checksums, vectored I/O, index
+# entries): see the .c file.  dl: it binds XXH3 from the xxhash package's own extension.
+file_records = Extension(
+    "transfer_factory._file_records",
+    sources=["transfer_factory/csrc/file_records.c"],
+    extra_compile_args=["-O3", "-std=c11", "-D_DEFAULT_SOURCE", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+    libraries=["dl"],
+)
+
 setup(
     name="cache-transfer-manager",
     version="0.1.0",
     description="KV-cache transfer subsystem: device <-> host swap space <-> storage",
     packages=["cache_manager", "ops", "transfer_factory", "engine_hooks"],
-    ext_modules=[block_copy],
+    ext_modules=[block_copy, file_records],
     python_requires=">=3.10",
     install_requires=["numpy", "pyzmq", "msgpack"],
     extras_require={

@@ -1,5 +1,6 @@
 """FileStore (transfer_factory/file_store.py): round trips, damage detection, LRU capacity, restart,
 isolation, option checking, and concurrent threads and processes on one directory."""
+import ctypes
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transfer_factory import StorageAccess, StorageConfigError, create_storage_backend
+from transfer_factory import StorageAccess, StorageConfigError, create_storage_backend, file_index
 from transfer_factory.file_store import DEAD, HEADER_SIZE, FileStore
 from transfer_factory.kvcache_storage import (
     BUFFER_TOO_SMALL, CORRUPT, INVALID, NO_SPACE, NOT_FOUND, OK, UNAVAILABLE,
@@ -266,16 +267,26 @@ def segment_files(root):
     return sorted(p for p in Path(root).rglob("*") if p.is_file())
 
 
+def run_image(headers, ptrs, sizes, counts=None):
+    """The bytes ``write_records`` writes for a run: header i, then record i's buffers."""
+    out, b = [], 0
+    for i in range(len(counts) if counts is not None else len(ptrs)):
+        out.append(bytes(headers[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]))
+        for _ in range(counts[i] if counts is not None else 1):
+            out.append(ctypes.string_at(ptrs[b], sizes[b]))
+            b += 1
+    return b"".join(out)
+
+
 def test_full_disk_write_leaves_nothing(store, monkeypatch):
     a = rand_bytes(100000, 5)
     k = key(5)
-    real = os.pwritev
 
-    def half_then_enospc(fd, bufs, offset):
-        real(fd, [bytes(memoryview(bufs[0])[:10])], offset)
+    def ten_bytes_then_enospc(fd, offset, headers, ptrs, sizes, counts=None):
+        os.pwrite(fd, bytes(headers[:10]), offset)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "pwritev", half_then_enospc)
+    monkeypatch.setattr(file_index, "write_records", ten_bytes_then_enospc)
     assert put(store, k, a) == NO_SPACE
     monkeypatch.undo()
     assert get(store, k, a.nbytes)[0] == NOT_FOUND
@@ -289,13 +300,12 @@ def test_a_failed_write_is_cut_off_its_segment(store, monkeypatch):
     a, b = rand_bytes(30000, 1), rand_bytes(50000, 2)
     assert put(store, key(1), a) == OK
     size = store.disk_bytes
-    real = os.pwritev
 
-    def some_then_eio(fd, bufs, offset):
-        real(fd, [bytes(memoryview(bufs[0])), bytes(memoryview(bufs[1])[:777])], offset)
+    def some_then_eio(fd, offset, headers, ptrs, sizes, counts=None):
+        os.pwrite(fd, run_image(headers, ptrs, sizes, counts)[:HEADER_SIZE + 777], offset)
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(os, "pwritev", some_then_eio)
+    monkeypatch.setattr(file_index, "write_records", some_then_eio)
     assert put(store, key(2), b) == UNAVAILABLE
     monkeypatch.undo()
     [seg] = segment_files(store.directory)
@@ -306,14 +316,25 @@ def test_a_failed_write_is_cut_off_its_segment(store, monkeypatch):
     assert np.array_equal(get(store, key(2), b.nbytes)[1], b)
 
 
-def test_a_write_that_accepts_no_bytes_fails_instead_of_spinning(store, monkeypatch):
+def test_a_write_that_accepts_no_bytes_fails_instead_of_spinning(store, tmp_path):
+    """A regular file that accepts no byte (pwritev returning 0) is reported as ENOSPC by the
+    record writer at once, and the store turns that into NO_SPACE with nothing left behind."""
+    from transfer_factory import _file_records
+    headers = _file_records.pack_headers([bytes(32)], [4], [0])
+    data = rand_bytes(4, 0)
+    with open("/dev/full", "wb") as full:                # every write fails: the loop must not spin
+        with pytest.raises(OSError):
+            _file_records.write_records(full.fileno(), 0, headers, [data.ctypes.data], [4], None)
     a = rand_bytes(100000, 6)
     k = key(6)
-    monkeypatch.setattr(os, "pwritev", lambda fd, bufs, offset: 0)
+    real = file_index.write_records
     start = time.monotonic()
-    assert put(store, k, a) == NO_SPACE
+    file_index.write_records = lambda *args: (_ for _ in ()).throw(OSError(28, "write accepted no bytes"))
+    try:
+        assert put(store, k, a) == NO_SPACE
+    finally:
+        file_index.write_records = real
     assert time.monotonic() - start < 5
-    monkeypatch.undo()
     assert get(store, k, a.nbytes)[0] == NOT_FOUND
     assert segment_files(store.directory) == []
     assert put(store, k, a) == OK                        # nothing about the failure is remembered
@@ -329,11 +350,12 @@ first = np.arange(3000, dtype=np.uint8) * 7
 s.batch_set([sys.argv[5]], [first.ctypes.data], [first.nbytes])
 a = np.arange(200000, dtype=np.uint8)
 if mode == "half":          # the process dies in the middle of writing the payload
-    real = os.pwritev
-    def die(fd, bufs, offset):
-        real(fd, [bytes(memoryview(bufs[0])), bytes(memoryview(bufs[1])[:5000])], offset)
+    import ctypes
+    from transfer_factory import file_index
+    def die(fd, offset, headers, ptrs, sizes, counts=None):
+        os.pwrite(fd, bytes(headers[:56]) + ctypes.string_at(ptrs[0], 5000), offset)
         os._exit(17)
-    os.pwritev = die
+    file_index.write_records = die
 else:                       # the process dies after writing everything, before the sync
     os.fdatasync = lambda fd: os._exit(17)
 s.batch_set([sys.argv[4]], [a.ctypes.data], [a.nbytes])

@@ -73,14 +73,20 @@ def hold():
         time.sleep(1)
 
 
-if stop == "mid_write":             # a real partial write: half the buffers reach the file
-    real = os.pwritev
-    def pwritev(fd, bufs, offset):
+if stop == "mid_write":             # a real partial write: half the batch's bytes reach the file
+    import ctypes
+    from transfer_factory import file_index
+    real = file_index.write_records
+    def write_records(fd, offset, headers, ptrs, sizes, counts=None):
         if armed[0]:
-            real(fd, bufs[:max(1, len(bufs) // 2 + 1)], offset)
+            image = []
+            for i in range(len(ptrs)):
+                image += [bytes(headers[i * 56:(i + 1) * 56]), ctypes.string_at(ptrs[i], sizes[i])]
+            image = b"".join(image)
+            os.pwrite(fd, image[:len(image) // 2 + 1], offset)
             hold()
-        return real(fd, bufs, offset)
-    os.pwritev = pwritev
+        return real(fd, offset, headers, ptrs, sizes, counts)
+    file_index.write_records = write_records
 elif stop == "before_sync":         # every byte written, the sync (the commit) not done
     real_sync = os.fdatasync
     def fdatasync(fd):

@@ -3,18 +3,32 @@
 The checksum is XXH3 (``file_segments.payload_checksum``), tens of GB/s on one core.  With CRC32
 (format 1) a helper thread checksummed the next chunk while this one was read or written, since
 zlib lets go of the GIL; XXH3 is faster than that hand-off and keeps the GIL, so every checksum is
-computed on the calling thread.  ``Checksummer`` keeps the calls of the readers and writers (a
-checksum of a range now, or later, or one range after another) without any thread behind them.
+computed on the calling thread.  ``checksums_at`` checksums many single-buffer objects in one call
+(the loop and the views are in ``_file_records``: at 16 KiB the Python call per object cost half
+as much as hashing it); ``Checksummer`` keeps the calls the multi-buffer paths make.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Sequence
 
+import xxhash
+import xxhash._xxhash
+
+from . import _file_records
 from .file_segments import payload_checksum
 
-PARALLEL_BYTES = 1 << 20              # a read batch this big is cut into chunks
 CHUNK_MIN = 1 << 20                   # a batch is cut into chunks of at least this
 CHUNK_MAX = 8 << 20                   # and at most this (or an eighth of the batch)
+
+_XXH3 = xxhash.xxh3_64_intdigest
+# The xxhash wheel's extension exports XXH3_64bits_withSeed, the function xxh3_64_intdigest calls:
+# bound, the checksums of a batch are one C loop with the GIL let go (else one Python call each).
+XXH3_DIRECT = _file_records.bind_xxh3(xxhash._xxhash.__file__)
+
+
+def checksums_at(ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    """``payload_checksum`` of each object that is one buffer of ``sizes[i]`` bytes at ``ptrs[i]``."""
+    return _file_records.checksums(_XXH3, ptrs, sizes)
 
 
 def crcs_of(view_lists) -> list[int]:
@@ -36,23 +50,9 @@ def chunked(sizes: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-class Later:
-    """The checksums of ``view_lists``, computed when ``get`` asks for them."""
-    __slots__ = ("view_lists",)
-
-    def __init__(self, view_lists) -> None:
-        self.view_lists = view_lists
-
-    def get(self) -> list[int]:
-        return crcs_of(self.view_lists)
-
-
 class Checksummer:
     def close(self) -> None:
         """Nothing to stop: no thread computes checksums."""
-
-    def later(self, view_lists) -> Later:
-        return Later(view_lists)
 
     def all(self, view_lists) -> list[int]:
         """The checksum of each object (its views in order)."""

@@ -11,12 +11,14 @@ import logging
 import os
 import shutil
 import time
+from itertools import accumulate
 
 from .file_segments import (
     HEADER_SIZE, NEW_RE, SEG_RE, Entry, Segment, new_segment, open_segment, scan, segment_size, try_lock_exclusive,
     unlock,
 )
-from .file_store_io import FILE_MODE, FULL_ERRNOS, fs_space, fsync_dir, tighten, write_all_at
+from ._file_records import new_entries
+from .file_store_io import FILE_MODE, FULL_ERRNOS, fs_space, fsync_dir, tighten, write_records
 
 logger = logging.getLogger("transfer_factory.file_store")
 
@@ -180,6 +182,26 @@ class IndexMixin:
         e.seg.live += e.size
         self._used += e.size
 
+    def _add_entries_locked(self, seg: Segment, digests: list[bytes], offsets: list[int], lengths: list[int],
+                            crcs: list[int], hcrcs: list[int]) -> None:
+        """``_add_entry_locked`` for the records of one append to ``seg``, in one pass."""
+        index, pop, members = self._index, self._index.pop, seg.members
+        if index.keys().isdisjoint(digests):             # the common case: all new, entered in one C call
+            new_entries(index, seg, digests, offsets, lengths, crcs, hcrcs)
+            members.update(digests)
+            digests = ()
+        for d, off, n, crc, hcrc in zip(digests, offsets, lengths, crcs, hcrcs):
+            old = pop(d, None)
+            if old is not None:
+                old.seg.members.discard(d)
+                old.seg.live -= old.size
+                self._used -= old.size
+            index[d] = Entry(seg, off, n, crc, hcrc)
+            members.add(d)
+        added = HEADER_SIZE * len(lengths) + sum(lengths)
+        seg.live += added
+        self._used += added
+
     def _drop_entry_locked(self, d: bytes) -> Entry | None:
         e = self._index.pop(d, None)
         if e is not None:
@@ -255,10 +277,11 @@ class IndexMixin:
             self._active = None
 
     def _append(self, chunks, total: int) -> tuple[Segment, list[int]]:
-        """Appends records (header, payload views, payload_len, crc), given as an iterable of lists
-        (written in turn: one pwritev per list, more only past IOV_MAX buffers), with one sync at
-        the end; returns the segment and each record's offset.  On failure the segment is truncated
-        back (removed when it was new and empty) and the error raised.  _wlock held."""
+        """Appends records given as an iterable of chunks ``(headers, ptrs, sizes, counts, lengths,
+        crcs)`` (the records' headers back to back, their payload buffers, buffers per record or None
+        for one each, payload lengths; one ``write_records`` per chunk), with one sync at the end;
+        returns the segment and each record's offset.  On failure the segment is truncated back
+        (removed when it was new and empty) and the error raised.  _wlock held."""
         seg = self._writable(total)
         with self._lock:
             self._pin(seg)                                   # a refresh may forget it, never close it under us
@@ -272,15 +295,11 @@ class IndexMixin:
         start = off = seg.size
         offsets: list[int] = []
         try:
-            for records in chunks:
-                bufs: list = []
-                at = off
-                for header, views, length, _ in records:
-                    offsets.append(off)
-                    bufs.append(header)
-                    bufs += views
-                    off += HEADER_SIZE + length
-                write_all_at(seg.fd, bufs, at)
+            for headers, ptrs, sizes, counts, lengths, _ in chunks:
+                write_records(seg.fd, off, headers, ptrs, sizes, counts)
+                if lengths:
+                    offsets += accumulate([HEADER_SIZE + n for n in lengths[:-1]], initial=off)
+                    off += HEADER_SIZE * len(lengths) + sum(lengths)
             if self.fsync:
                 os.fdatasync(seg.fd)
                 if seg.fresh:

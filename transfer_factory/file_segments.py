@@ -51,6 +51,7 @@ from typing import NamedTuple
 
 import xxhash
 
+from . import _file_records
 from .file_store_io import O_CLOEXEC, create_private
 
 LIVE = b"CTKR"
@@ -105,6 +106,11 @@ def parse_header(raw: bytes | memoryview) -> Header | None:
     if version != FORMAT_VERSION or flags != 0:
         return None
     return Header(magic == LIVE, payload_len, crc, digest, _CRC.unpack_from(raw, HEADER_SIZE - 4)[0])
+
+
+def header_crc_of(digest: bytes, payload_len: int, crc: int) -> int:
+    """The header CRC of the live record of ``digest`` with that length and payload checksum."""
+    return zlib.crc32(_BODY.pack(FORMAT_VERSION, 0, payload_len, crc, digest))
 
 
 def header_crc(header: bytes) -> int:
@@ -173,21 +179,12 @@ def scan(fd: int, start: int, end: int) -> tuple[list[Found], int, int]:
     return found, off, skipped
 
 
-class Entry:
-    """Where one object's live record is, and its header's fields: the index's value."""
-    __slots__ = ("seg", "offset", "length", "crc", "hcrc")
-
-    def __init__(self, seg: "Segment", offset: int, length: int, crc: int, hcrc: int) -> None:
-        self.seg, self.offset, self.length, self.crc, self.hcrc = seg, offset, length, crc, hcrc
-
-    @property
-    def size(self) -> int:
-        return HEADER_SIZE + self.length
-
-    def fields(self, digest: bytes) -> tuple:
-        """The live header's fields as ``unpack_header`` returns them: equal means byte for byte the
-        header this record was written (or found valid) with."""
-        return (LIVE, FORMAT_VERSION, 0, self.length, self.crc, digest, self.hcrc)
+# Where one object's live record is, and its header's fields: the index's value.  Entry(seg,
+# offset, length, crc, hcrc) with those attributes (seg and offset change when a compaction moves
+# the record), ``size`` (header + payload) and ``fields(digest)`` (the live header's fields as
+# ``unpack_header`` returns them: equal means byte for byte the header this record was written, or
+# found valid, with).  A C type, as a batch makes one per record (csrc/file_records.c).
+Entry = _file_records.Entry
 
 
 def unpack_header(raw, offset: int = 0) -> tuple:

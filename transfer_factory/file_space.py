@@ -18,7 +18,7 @@ import os
 from typing import Any, Iterator
 
 from .file_segments import DEAD, HEADER_SIZE, Segment, payload_checksum, try_lock_exclusive, unlock, unpack_header
-from .file_store_io import fs_space, on_disk, read_all_at
+from .file_store_io import address_of, fs_space, on_disk, read_all_at
 from .keys import KINDS
 
 logger = logging.getLogger("transfer_factory.file_store")
@@ -235,10 +235,11 @@ class SpaceMixin:
                     chunk.append(ents[i])
                     size += ents[i][2].size
                     i += 1
-                buf = memoryview(bytearray(size))
-                records, good, pos = [], [], 0
+                raw = bytearray(size)
+                buf, base = memoryview(raw), address_of(raw)
+                headers, ptrs, lengths, crcs, good, pos = [], [], [], [], [], 0
                 for off, d, e in chunk:
-                    rec = buf[pos:pos + e.size]
+                    at, rec = pos, buf[pos:pos + e.size]
                     pos += e.size
                     try:
                         got = read_all_at(seg.fd, [rec], off)
@@ -251,12 +252,16 @@ class SpaceMixin:
                                 self._drop_entry_locked(d)
                         bad += 1
                         continue
-                    records.append((bytes(rec[:HEADER_SIZE]), [rec[HEADER_SIZE:]], e.length, e.crc))
+                    headers.append(bytes(rec[:HEADER_SIZE]))          # verbatim: the copy is the record
+                    ptrs.append(base + at + HEADER_SIZE)
+                    lengths.append(e.length)
+                    crcs.append(e.crc)
                     good.append((d, e))
-                if not records:
+                if not good:
                     continue
                 try:
-                    dest, offsets = self._append([records], sum(HEADER_SIZE + r[2] for r in records))
+                    dest, offsets = self._append([(b"".join(headers), ptrs, lengths, None, lengths, crcs)],
+                                                 HEADER_SIZE * len(lengths) + sum(lengths))
                 except OSError as exc:
                     logger.warning("file store %s: cannot compact %s: %s", self.directory, seg.name, exc)
                     return False

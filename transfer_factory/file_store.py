@@ -90,16 +90,18 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
+from ._file_records import key_groups, note_blocks
 from .file_checksums import Checksummer
 from .file_index import IndexMixin
 from .file_segments import DEAD, HEADER_SIZE, LIVE, Entry, Segment
-from .file_space import SpaceMixin, group_of
+from .file_space import SpaceMixin
 from .file_store_io import (
     DEFAULT_CAPACITY, DEFAULT_ROOT, DIR_MODE, ENV_CAPACITY, ENV_ROOT, OPTIONS, Views, makedirs_private,
     resolve_options, tighten, valid_ptr, valid_size,
 )
 from .file_store_read import ReadMixin
 from .file_store_write import WriteMixin
+from .keys import KINDS
 from .kvcache_storage import (
     INVALID, NOT_FOUND, OK, UNAVAILABLE, KVCacheStorage, StorageAccess, StorageConfigError, check_batch,
 )
@@ -211,22 +213,12 @@ class FileStore(WriteMixin, ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
                      groups: Sequence[str | None] | None = None) -> None:
         """Remembers which objects form one block, for blocks whose every object just succeeded."""
         siblings = self._siblings
-        if all(d is None or d in siblings for d in digests):
+        if all(map(siblings.__contains__, filter(None, digests))):
             return                                        # nothing new (the common read of stored blocks)
-        blocks: dict[str, list[bytes]] = {}
-        failed: set[str] = set()
-        for group, d, ok in zip(groups if groups is not None else map(group_of, keys), digests, done):
-            if group is not None and d is not None:
-                blocks.setdefault(group, []).append(d)
-                if not ok:
-                    failed.add(group)
-        with self._lock:
-            for group, members in blocks.items():
-                if group not in failed and len(members) > 1:
-                    t = tuple(members)
-                    for d in t:
-                        if d in self._index:
-                            self._siblings[d] = t
+        if groups is None:
+            groups = key_groups(keys, KINDS)
+        with self._lock:                                  # one pass in C: a dict op or two per object
+            note_blocks(groups, digests, done, self._index, siblings)
 
     def _usable(self) -> bool:
         """False (logged) when the store is closed or its directory is gone; a directory replaced by
@@ -265,12 +257,12 @@ class FileStore(WriteMixin, ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
 
     def batch_set(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         check_batch(keys, ptrs, sizes)
-        return self._set_batch(keys, [[p] for p in ptrs], [[s] for s in sizes])
+        return self._set_batch(keys, ptrs, sizes, multi=False)
 
     def batch_set_multi(self, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
                         size_lists: Sequence[Sequence[int]]) -> list[int]:
         check_batch(keys, ptr_lists, size_lists)
-        return self._set_batch(keys, [list(p) for p in ptr_lists], [list(s) for s in size_lists])
+        return self._set_batch(keys, [list(p) for p in ptr_lists], [list(s) for s in size_lists], multi=True)
 
     def delete(self, keys: Sequence[str]) -> list[int]:
         """Per key: 0 removed (its record marked dead on disk), ``NOT_FOUND`` when there was none."""

@@ -12,6 +12,7 @@ import os
 import re
 from typing import Any, Mapping, NamedTuple
 
+from . import _file_records
 from .kvcache_storage import StorageConfigError, parse_bool
 
 # Prompt-derived KV must not be readable by other local users (DESIGN §4), whatever the umask.
@@ -54,6 +55,11 @@ class Views:
         return v
 
 
+def address_of(buf: bytearray) -> int:
+    """The address of a bytearray's bytes (valid while it lives and is not resized)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
 def valid_ptr(ptr: Any) -> bool:
     return isinstance(ptr, int) and not isinstance(ptr, bool) and ptr > 0
 
@@ -76,20 +82,20 @@ def _advance(bufs: list, i: int, n: int) -> int:
     return i
 
 
-def write_all_at(fd: int, bufs: list, offset: int) -> int:
-    """Writes every buffer in order at ``offset`` with as few pwritev calls as IOV_MAX allows,
-    resuming after short writes; returns the bytes written.  Buffers are bytes or flat byte
-    memoryviews (``len`` is their size)."""
-    bufs = [b for b in bufs if len(b)]
-    i = total = 0
-    while i < len(bufs):
-        n = os.pwritev(fd, bufs[i:i + IOV_MAX], offset + total)
-        if n <= 0:
-            # A regular file that accepts no byte is full; retrying would spin forever.
-            raise OSError(errno.ENOSPC, "write accepted no bytes")
-        total += n
-        i = _advance(bufs, i, n)
-    return total
+def write_records(fd: int, offset: int, headers: bytes, ptrs: list[int], sizes: list[int],
+                  counts: list[int] | None = None) -> int:
+    """Writes a run of records at ``offset``: header i (56 bytes of ``headers``), then record i's
+    buffers (``counts[i]`` of them, or one each), for every record, with as few pwritev calls as
+    IOV_MAX allows and the GIL let go; resumes after short writes, raises OSError (ENOSPC for a
+    write that accepts no bytes).  Returns the bytes written."""
+    return _file_records.write_records(fd, offset, headers, ptrs, sizes, counts)
+
+
+def read_records(fd: int, offset: int, headers: bytearray | memoryview, ptrs: list[int], sizes: list[int],
+                 counts: list[int] | None = None) -> int:
+    """The read ``write_records`` mirrors: headers into ``headers``, payloads into the buffers;
+    returns the bytes read (short only at the end of the file)."""
+    return _file_records.read_records(fd, offset, headers, ptrs, sizes, counts)
 
 
 def read_all_at(fd: int, bufs: list, offset: int) -> int:
