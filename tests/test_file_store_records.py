@@ -1,0 +1,321 @@
+"""The FileStore's batch-wide record helpers (transfer_factory/csrc/file_records.c) against the
+Python definitions they replace, and the store's bulk paths end to end: many 16 KiB objects in one
+batch, mixed sizes, damage in the middle of a big batch, batches that leave the bulk path."""
+import ctypes
+import gc
+import hashlib
+import os
+import random
+import zlib
+
+import numpy as np
+import pytest
+import xxhash
+
+from transfer_factory import _file_records as fr
+from transfer_factory.file_checksums import XXH3_DIRECT, checksums_at
+from transfer_factory.file_segments import (
+    DEAD, FORMAT_VERSION, HEADER_SIZE, LIVE, Entry, Segment, pack_header, parse_header, unpack_header,
+)
+from transfer_factory.file_space import group_of
+from transfer_factory.file_store import FileStore
+from transfer_factory.keys import KINDS
+from transfer_factory.kvcache_storage import BUFFER_TOO_SMALL, CORRUPT, INVALID, NOT_FOUND, OK
+
+NS = "model-tp2-0123456789abcdef"
+
+
+def key(i, kind="k"):
+    return f"{NS}/{i:064x}/0/{kind}"
+
+
+def open_store(root, **options):
+    options.setdefault("fsync", False)
+    return FileStore(namespace=NS, rank=0, options={"root": str(root), **options})
+
+
+def digest(i):
+    return hashlib.sha256(str(i).encode()).digest()
+
+
+# ------------------------------------------------------------------------------------ headers
+def test_pack_headers_is_pack_header_for_each_record():
+    rng = random.Random(1)
+    lens = [rng.choice([1, 56, 16384, 1 << 40]) for _ in range(200)]
+    crcs = [rng.getrandbits(32) for _ in range(200)]
+    ds = [digest(i) for i in range(200)]
+    packed = fr.pack_headers(ds, lens, crcs)
+    assert packed == b"".join(pack_header(n, c, d) for d, n, c in zip(ds, lens, crcs))
+    assert fr.parse_headers(packed, 200) == b"\x01" * 200
+    with pytest.raises(ValueError):
+        fr.pack_headers([b"short"], [1], [0])
+    with pytest.raises(ValueError):
+        fr.pack_headers([digest(0)], [1], [1 << 32])
+    with pytest.raises(ValueError):
+        fr.pack_headers([digest(0)], [1, 2], [0])
+
+
+def test_parse_headers_rejects_every_damaged_header_like_parse_header():
+    """A flipped bit anywhere in a header (magic, version, flags, length, checksum, digest, header
+    CRC) makes it invalid in the bulk parse exactly when parse_header says so; the dead magic
+    keeps it valid (status 2)."""
+    good = pack_header(16384, 0xDEADBEEF, digest(7))
+    n = HEADER_SIZE * 8
+    bufs = []
+    for bit in range(n):
+        b = bytearray(good)
+        b[bit // 8] ^= 1 << (bit % 8)
+        bufs.append(bytes(b))
+    dead = DEAD + good[4:]
+    bufs += [good, dead, bytes(HEADER_SIZE)]
+    status = fr.parse_headers(b"".join(bufs), len(bufs))
+    for raw, st in zip(bufs, status):
+        h = parse_header(raw)
+        assert st == (0 if h is None else 1 if h.live else 2)
+    assert status[-3:] == b"\x01\x02\x00"
+    assert status[:n].count(0) == n                        # every single-bit flip is caught
+    with pytest.raises(ValueError):
+        fr.parse_headers(good, 2)                          # more headers than bytes
+
+
+def test_unpack_of_a_packed_header_has_every_field():
+    raw = fr.pack_headers([digest(3)], [123], [456])
+    magic, version, flags, n, crc, d, hcrc = unpack_header(raw)
+    assert (magic, version, flags, n, crc, d) == (LIVE, FORMAT_VERSION, 0, 123, 456, digest(3))
+    assert hcrc == zlib.crc32(raw[4:52])
+
+
+# ------------------------------------------------------------------------------------ digests
+@pytest.mark.parametrize("portable", [False, True])
+def test_sha256_matches_hashlib_at_every_padding_length(portable):
+    rng = random.Random(2)
+    for n in list(range(0, 200)) + [1000, 4096, 65537]:
+        data = bytes(rng.getrandbits(8) for _ in range(n))
+        assert fr.sha256(data, portable) == hashlib.sha256(data).digest(), n
+
+
+def test_key_digests_match_the_store_definition():
+    keys = [key(i) for i in range(50)] + ["a", "é" * 70, "\ud800lone", "x" * 300, "", 5, None, b"bytes"]
+    want = [hashlib.sha256(k.encode("utf-8", "surrogatepass")).digest() if isinstance(k, str) and k else None
+            for k in keys]
+    assert fr.key_digests(keys) == want
+    assert fr.key_digests(tuple(keys)) == want
+
+
+def test_key_groups_match_group_of():
+    keys = [key(1), key(1, "v"), key(2, "k_scale"), key(2, "v_scale"), "a/b/0/x", "k", "/k", "a//v", "a/b/",
+            "é/\ud800/v", "", 7, None, f"{NS}/ab/0/kv"]
+    assert fr.key_groups(keys, KINDS) == [group_of(k) for k in keys]
+
+
+# ------------------------------------------------------------------------------------ checksums
+def test_checksums_direct_and_through_python_equal_xxh3():
+    data = np.frombuffer(os.urandom(1 << 20), dtype=np.uint8)
+    base = data.ctypes.data
+    sizes = list(range(0, 260)) + [1000, 16384, 100000, (1 << 20) - 7]
+    ptrs = [base + (s * 13) % 7 for s in sizes]
+    view = memoryview(data)
+    want = [xxhash.xxh3_64_intdigest(view[p - base:p - base + s]) & 0xFFFFFFFF for p, s in zip(ptrs, sizes)]
+    assert fr.checksums(xxhash.xxh3_64_intdigest, ptrs, sizes, True) == want
+    assert checksums_at(ptrs, sizes) == want
+    assert XXH3_DIRECT                                     # the wheel exports it; a fallback still passes above
+
+
+# ------------------------------------------------------------------------------------ vectored I/O
+def test_write_and_read_records_round_trip_with_counts_and_empty_buffers(tmp_path):
+    a = np.frombuffer(os.urandom(4096), dtype=np.uint8).copy()
+    hdrs = fr.pack_headers([digest(0), digest(1)], [30, 100], [1, 2])
+    sizes = [10, 0, 20, 100]
+    ptrs = [a.ctypes.data, a.ctypes.data + 100, a.ctypes.data + 200, a.ctypes.data + 1000]
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert fr.write_records(fd, 7, hdrs, ptrs, sizes, [3, 1]) == 2 * HEADER_SIZE + 130
+        raw = os.pread(fd, 1000, 7)
+        assert raw == hdrs[:56] + a[:10].tobytes() + a[200:220].tobytes() + hdrs[56:] + a[1000:1100].tobytes()
+        out = np.zeros(200, dtype=np.uint8)
+        scratch = bytearray(2 * HEADER_SIZE)
+        got = fr.read_records(fd, 7, scratch, [out.ctypes.data, out.ctypes.data + 30], [30, 100], None)
+        assert got == 2 * HEADER_SIZE + 130 and bytes(scratch) == hdrs
+        assert out[:30].tobytes() == a[:10].tobytes() + a[200:220].tobytes()
+        assert out[30:130].tobytes() == a[1000:1100].tobytes()
+        # At the end of the file a read is short, never an error.
+        got = fr.read_records(fd, 7 + 100, bytearray(2 * HEADER_SIZE), [out.ctypes.data, out.ctypes.data + 30],
+                              [30, 100], None)
+        assert got == 2 * HEADER_SIZE + 130 - 100
+        with pytest.raises(ValueError):
+            fr.write_records(fd, 0, hdrs, ptrs, sizes, [3, 2])   # counts name more buffers than given
+        with pytest.raises(OSError):
+            fr.write_records(-1, 0, hdrs[:56], ptrs[:1], sizes[:1], None)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not XXH3_DIRECT, reason="XXH3 not bound")
+def test_read_and_sum_checksums_only_the_records_read_whole(tmp_path):
+    n, size = 40, 5000
+    src = np.frombuffer(os.urandom(n * size), dtype=np.uint8).copy()
+    ptrs = [src.ctypes.data + i * size for i in range(n)]
+    crcs = checksums_at(ptrs, [size] * n)
+    hdrs = fr.pack_headers([digest(i) for i in range(n)], [size] * n, crcs)
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fr.write_records(fd, 0, hdrs, ptrs, [size] * n, None)
+        os.ftruncate(fd, 17 * (HEADER_SIZE + size) + 100)           # record 17 torn
+        dst = np.zeros_like(src)
+        scratch = bytearray(HEADER_SIZE * n)
+        got, sums = fr.read_and_sum(fd, 0, scratch, [dst.ctypes.data + i * size for i in range(n)], [size] * n, 3000)
+        assert got == 17 * (HEADER_SIZE + size) + 100
+        assert sums == crcs[:17]
+        assert dst[:17 * size].tobytes() == src[:17 * size].tobytes()
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------ index entries
+def test_entry_fields_mutation_and_no_gc_tracking(tmp_path):
+    seg = Segment("x.seg", str(tmp_path / "x.seg"), -1, own=True)
+    e = Entry(seg, 10, 16384, 0xFFFFFFFF, 7)
+    assert (e.seg, e.offset, e.length, e.crc, e.hcrc, e.size) == (seg, 10, 16384, 0xFFFFFFFF, 7, HEADER_SIZE + 16384)
+    assert e.fields(digest(1)) == (LIVE, FORMAT_VERSION, 0, 16384, 0xFFFFFFFF, digest(1), 7)
+    e.seg, e.offset = "other", 99                          # a compaction moves a record
+    assert (e.seg, e.offset) == ("other", 99)
+    assert not gc.is_tracked(e)
+    index = {}
+    fr.new_entries(index, seg, [digest(1), digest(2)], [0, 100], [44, 55], [1, 2], [3, 4])
+    assert [(x.seg, x.offset, x.length, x.crc, x.hcrc) for x in index.values()] == [(seg, 0, 44, 1, 3),
+                                                                                    (seg, 100, 55, 2, 4)]
+    with pytest.raises(ValueError):
+        Entry(seg, 0, 1, 1 << 32, 0)
+
+
+def test_select_all_declines_anything_but_the_simple_batch(tmp_path):
+    seg = Segment("x.seg", str(tmp_path / "x.seg"), -1, own=True)
+    index = {digest(1): Entry(seg, 0, 10, 5, 6), digest(2): Entry(seg, 66, 20, 7, 8)}
+    ds = [digest(1), digest(2)]
+    assert fr.select_all(index, ds, [1, 2], [10, 20]) == ([seg, seg], [0, 66], [10, 20], [5, 7])
+    assert fr.select_all(index, ds, [1, 2], [10, 19]) is None       # a buffer too small
+    assert fr.select_all(index, ds, [1, 0], [10, 20]) is None       # a bad pointer
+    assert fr.select_all(index, ds, [1, True], [10, 20]) is None    # not an int
+    assert fr.select_all(index, [digest(1), digest(3)], [1, 2], [10, 20]) is None   # not stored
+    assert fr.select_all(index, [digest(1), None], [1, 2], [10, 20]) is None        # not a key
+
+
+# ------------------------------------------------------------------------------------ the store, in bulk
+def test_many_16k_objects_in_one_batch_bit_exact_and_after_reopen(tmp_path):
+    n, size = 4096, 16 << 10
+    src = np.random.default_rng(5).integers(0, 256, n * size, dtype=np.uint8)
+    keys = [key(i // 2, "kv"[i % 2]) for i in range(n)]
+    ptrs = [src.ctypes.data + i * size for i in range(n)]
+    with open_store(tmp_path) as store:
+        assert store.batch_set(keys, ptrs, [size] * n) == [OK] * n
+        dst = np.zeros_like(src)
+        assert store.batch_get(keys, [dst.ctypes.data + i * size for i in range(n)], [size] * n) == [size] * n
+        assert np.array_equal(dst, src)
+        # Out of file order, with room to spare: each object lands in its own buffer, nothing past it.
+        order = list(range(n))
+        random.Random(6).shuffle(order)
+        dst = np.zeros(n * (size + 8), dtype=np.uint8)
+        codes = store.batch_get([keys[i] for i in order], [dst.ctypes.data + j * (size + 8) for j in range(n)],
+                                [size + 8] * n)
+        assert codes == [size] * n
+        for j, i in enumerate(order[:300]):
+            start = j * (size + 8)
+            assert dst[start:start + size].tobytes() == src[i * size:(i + 1) * size].tobytes()
+            assert not dst[start + size:start + size + 8].any()
+    with open_store(tmp_path) as store:                    # the index is rebuilt by scanning
+        assert len(store) == n
+        dst = np.zeros_like(src)
+        assert store.batch_get(keys, [dst.ctypes.data + i * size for i in range(n)], [size] * n) == [size] * n
+        assert np.array_equal(dst, src)
+
+
+def test_mixed_sizes_and_buffer_counts_in_one_batch(tmp_path):
+    rng = np.random.default_rng(7)
+    sizes = [1, 55, 56, 57, 4096, 16 << 10, (16 << 10) + 1, 600 << 10, 3, 100000] * 6
+    arrays = [rng.integers(0, 256, s, dtype=np.uint8) for s in sizes]
+    keys = [key(i, KINDS[i % 4]) for i in range(len(sizes))]
+    with open_store(tmp_path) as store:
+        half = len(keys) // 2
+        assert store.batch_set(keys[:half], [a.ctypes.data for a in arrays[:half]], sizes[:half]) == [OK] * half
+        # The other half as multi-buffer objects, split in up to three pieces (one may be empty).
+        ptr_lists, size_lists = [], []
+        for a in arrays[half:]:
+            cut1, cut2 = sorted(rng.integers(0, a.nbytes + 1, 2))
+            ptr_lists.append([a.ctypes.data, a.ctypes.data + int(cut1), a.ctypes.data + int(cut2)])
+            size_lists.append([int(cut1), int(cut2 - cut1), int(a.nbytes - cut2)])
+        assert store.batch_set_multi(keys[half:], ptr_lists, size_lists) == [OK] * (len(keys) - half)
+        outs = [np.zeros(s, dtype=np.uint8) for s in sizes]
+        assert store.batch_get(keys, [o.ctypes.data for o in outs], sizes) == sizes
+        assert all(np.array_equal(o, a) for o, a in zip(outs, arrays))
+        # Multi-buffer reads of everything: each object split across two buffers of its own.
+        outs = [np.zeros(s + 5, dtype=np.uint8) for s in sizes]
+        codes = store.batch_get_multi(keys, [[o.ctypes.data, o.ctypes.data + s // 2] for o, s in zip(outs, sizes)],
+                                      [[s // 2, s - s // 2 + 5] for s in sizes])
+        assert codes == sizes
+        assert all(np.array_equal(o[:s], a) and not o[s:].any() for o, a, s in zip(outs, arrays, sizes))
+
+
+@pytest.mark.parametrize("damage", ["payload", "header"])
+def test_damage_in_the_middle_of_a_big_batch_costs_only_that_object(tmp_path, damage, caplog):
+    n, size = 600, 16 << 10
+    src = np.random.default_rng(8).integers(0, 256, n * size, dtype=np.uint8)
+    keys = [key(i // 2, "kv"[i % 2]) for i in range(n)]
+    ptrs = [src.ctypes.data + i * size for i in range(n)]
+    victim = 333
+    with open_store(tmp_path) as store:
+        assert store.batch_set(keys, ptrs, [size] * n) == [OK] * n
+        loc = store.object_location(keys[victim])
+        with open(loc.path, "r+b") as f:
+            at = loc.offset + (HEADER_SIZE + 1000 if damage == "payload" else 30)
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x40]))
+        dst = np.zeros_like(src)
+        codes = store.batch_get(keys, [dst.ctypes.data + i * size for i in range(n)], [size] * n)
+        assert codes[victim] == CORRUPT
+        assert codes[:victim] + codes[victim + 1:] == [size] * (n - 1)
+        others = np.ones(n, dtype=bool)
+        others[victim] = False
+        assert np.array_equal(dst.reshape(n, size)[others], src.reshape(n, size)[others])
+        assert "corrupt" in caplog.text
+        # Afterwards a plain miss, and the rest still reads in bulk.
+        assert store.batch_get([keys[victim]], [dst.ctypes.data], [size]) == [NOT_FOUND]
+        if damage == "payload":                            # a valid header: marked dead on disk
+            with open(loc.path, "rb") as f:
+                f.seek(loc.offset)
+                assert f.read(4) == DEAD
+
+
+def test_batches_that_leave_the_bulk_path_report_per_object(tmp_path):
+    """Duplicates, invalid buffers, stored keys, missing keys and small buffers in one batch: the
+    per-object path reports each exactly as before."""
+    a = np.arange(5000, dtype=np.uint8)
+    with open_store(tmp_path) as store:
+        assert store.batch_set([key(1)], [a.ctypes.data], [100]) == [OK]
+        codes = store.batch_set(["x/dup", "x/dup", key(1), "x/bad", "", "x/zero", "x/new"],
+                                [a.ctypes.data, a.ctypes.data, a.ctypes.data, 0, a.ctypes.data, a.ctypes.data,
+                                 a.ctypes.data + 7], [10, 10, 100, 10, 10, 0, 20])
+        assert codes == [OK, OK, OK, INVALID, INVALID, INVALID, OK]
+        out = np.zeros(200, dtype=np.uint8)
+        codes = store.batch_get(["x/new", "x/missing", key(1), "x/dup", "", "x/dup"],
+                                [out.ctypes.data, out.ctypes.data, out.ctypes.data + 100, out.ctypes.data, 0,
+                                 out.ctypes.data + 50], [20, 20, 100, 5, 10, 10])
+        assert codes == [20, NOT_FOUND, 100, BUFFER_TOO_SMALL, INVALID, 10]
+        assert out[100:200].tobytes() == a[:100].tobytes()
+        assert out[50:60].tobytes() == a[:10].tobytes()
+
+
+def test_raw_pointers_are_written_without_copies_of_the_caller_buffer(tmp_path):
+    """The payload reaches the file from the caller's memory (no stale copy): a buffer changed
+    between two keys' writes is stored as it was at each write."""
+    buf = (ctypes.c_char * 4096)()
+    with open_store(tmp_path) as store:
+        ctypes.memset(buf, 1, 4096)
+        assert store.batch_set([key(1)], [ctypes.addressof(buf)], [4096]) == [OK]
+        ctypes.memset(buf, 2, 4096)
+        assert store.batch_set([key(2)], [ctypes.addressof(buf)], [4096]) == [OK]
+        out = np.zeros(4096, dtype=np.uint8)
+        assert store.batch_get([key(1)], [out.ctypes.data], [4096]) == [4096] and (out == 1).all()
+        assert store.batch_get([key(2)], [out.ctypes.data], [4096]) == [4096] and (out == 2).all()
