@@ -43,7 +43,7 @@ $(DEPS): requirements.txt $(SYSDEPS) | $(PY)
 	$(PY) -m pip install -q -r requirements.txt
 	touch $@
 
-$(EXT): $(DEPS) setup.py $(wildcard ops/csrc/*.c) $(wildcard transfer_factory/csrc/*.c)
+$(EXT): $(DEPS) setup.py $(wildcard ops/csrc/*.c) $(wildcard transfer_factory/csrc/*.[ch])
 	$(PY) setup.py -q build_ext --inplace
 	touch $@
 

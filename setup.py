@@ -12,7 +12,8 @@ block_copy = Extension(
 # entries): see the .c file.  dl: it binds XXH3 from the xxhash package's own extension.
 file_records = Extension(
     "transfer_factory._file_records",
-    sources=["transfer_factory/csrc/file_records.c"],
+    sources=[f"transfer_factory/csrc/file_records{part}.c" for part in ("", "_io", "_sha", "_index")],
+    depends=["transfer_factory/csrc/file_records.h"],
     extra_compile_args=["-O3", "-std=c11", "-D_DEFAULT_SOURCE", "-Wall", "-Wextra", "-Wno-unused-parameter"],
     libraries=["dl"],
 )
