@@ -182,9 +182,12 @@ def test_entry_fields_mutation_and_no_gc_tracking(tmp_path):
     assert (e.seg, e.offset) == ("other", 99)
     assert not gc.is_tracked(e)
     index = {}
-    fr.new_entries(index, seg, [digest(1), digest(2)], [0, 100], [44, 55], [1, 2], [3, 4])
-    assert [(x.seg, x.offset, x.length, x.crc, x.hcrc) for x in index.values()] == [(seg, 0, 44, 1, 3),
-                                                                                    (seg, 100, 55, 2, 4)]
+    headers = fr.pack_headers([digest(1), digest(2)], [44, 55], [1, 2])
+    fr.new_entries(index, seg, [digest(1), digest(2)], [0, 100], [44, 55], [1, 2], headers)
+    assert [(x.seg, x.offset, x.length, x.crc, x.hcrc) for x in index.values()] == [
+        (seg, 0, 44, 1, unpack_header(headers)[6]), (seg, 100, 55, 2, unpack_header(headers, 56)[6])]
+    with pytest.raises(ValueError):
+        fr.new_entries({}, seg, [digest(1)], [0], [44], [1], headers)          # two headers for one record
     with pytest.raises(ValueError):
         Entry(seg, 0, 1, 1 << 32, 0)
 
@@ -319,3 +322,38 @@ def test_raw_pointers_are_written_without_copies_of_the_caller_buffer(tmp_path):
         out = np.zeros(4096, dtype=np.uint8)
         assert store.batch_get([key(1)], [out.ctypes.data], [4096]) == [4096] and (out == 1).all()
         assert store.batch_get([key(2)], [out.ctypes.data], [4096]) == [4096] and (out == 2).all()
+
+
+def _note_blocks_reference(groups, digests, done, index):
+    """The Python definition note_blocks replaces (FileStore._note_blocks before it moved to C)."""
+    siblings, blocks, failed = {}, {}, set()
+    for group, d, ok in zip(groups, digests, done):
+        if group is not None and d is not None:
+            blocks.setdefault(group, []).append(d)
+            if not ok:
+                failed.add(group)
+    for group, members in blocks.items():
+        if group not in failed and len(members) > 1:
+            t = tuple(members)
+            for d in t:
+                if d in index:
+                    siblings[d] = t
+    return siblings
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_note_blocks_matches_its_python_definition(seed):
+    """Adjacent blocks (the bulk path), shuffled ones, failed members, keys without a digest, and
+    objects no longer in the index."""
+    rng = random.Random(seed)
+    keys = [key(b, kind) for b in range(rng.randint(0, 30)) for kind in KINDS[:rng.randint(1, 4)]]
+    keys += [f"other/{i}" for i in range(rng.randint(0, 3))]
+    if seed % 2:
+        rng.shuffle(keys)
+    groups = fr.key_groups(keys, KINDS)
+    digests = [None if rng.random() < 0.03 else d for d in fr.key_digests(keys)]
+    done = [rng.random() > 0.05 for _ in keys]
+    index = {d: 1 for d in digests if d is not None and rng.random() > 0.05}
+    siblings = {}
+    fr.note_blocks(groups, digests, done, index, siblings)
+    assert siblings == _note_blocks_reference(groups, digests, done, index)

@@ -9,7 +9,9 @@ as much as hashing it); ``Checksummer`` keeps the calls the multi-buffer paths m
 """
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from bisect import bisect_left
+from itertools import accumulate
+from typing import Iterable, Iterator, Sequence
 
 import xxhash
 import xxhash._xxhash
@@ -35,18 +37,19 @@ def crcs_of(view_lists) -> list[int]:
     return [payload_checksum(views) for views in view_lists]
 
 
-def chunked(sizes: list[int]) -> list[tuple[int, int]]:
-    """[start, end) index ranges cutting objects of ``sizes`` bytes into chunks."""
-    total = sum(sizes)
-    target = min(CHUNK_MAX, max(CHUNK_MIN, total // 8))
-    out, start, acc = [], 0, 0
-    for i, size in enumerate(sizes):
-        acc += size
-        if acc >= target:
-            out.append((start, i + 1))
-            start, acc = i + 1, 0
-    if start < len(sizes):
-        out.append((start, len(sizes)))
+def chunked(sizes: Iterable[int]) -> list[tuple[int, int]]:
+    """[start, end) index ranges cutting objects of ``sizes`` bytes into chunks (a chunk ends with
+    the object that takes it to the target size)."""
+    ends = list(accumulate(sizes))
+    n = len(ends)
+    target = min(CHUNK_MAX, max(CHUNK_MIN, (ends[-1] if n else 0) // 8))
+    out, start, base = [], 0, 0
+    while start < n:
+        end = bisect_left(ends, base + target, start) + 1
+        if end > n:
+            end = n
+        out.append((start, end))
+        start, base = end, ends[end - 1]
     return out
 
 

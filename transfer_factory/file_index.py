@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import struct
 import time
 from itertools import accumulate
+from typing import Sequence
 
 from .file_segments import (
     HEADER_SIZE, NEW_RE, SEG_RE, Entry, Segment, new_segment, open_segment, scan, segment_size, try_lock_exclusive,
@@ -22,6 +24,7 @@ from .file_store_io import FILE_MODE, FULL_ERRNOS, fs_space, fsync_dir, tighten,
 
 logger = logging.getLogger("transfer_factory.file_store")
 
+_HCRC = struct.Struct("<52xI")          # the header CRC of each 56-byte header in a run
 REFRESH_S = 1.0                      # other processes' records are picked up at least this often
 _OLD_FANOUT_LEN = 2                  # the one-file-per-object format's {h[0:2]}/ directories
 
@@ -182,22 +185,19 @@ class IndexMixin:
         e.seg.live += e.size
         self._used += e.size
 
-    def _add_entries_locked(self, seg: Segment, digests: list[bytes], offsets: list[int], lengths: list[int],
-                            crcs: list[int], hcrcs: list[int]) -> None:
-        """``_add_entry_locked`` for the records of one append to ``seg``, in one pass."""
-        index, pop, members = self._index, self._index.pop, seg.members
+    def _add_entries_locked(self, seg: Segment, digests: list[bytes], offsets: list[int], lengths: Sequence[int],
+                            crcs: list[int], headers: bytes) -> None:
+        """``_add_entry_locked`` for the records of one append to ``seg`` (``headers``: theirs, back
+        to back, for the header CRCs), in one pass."""
+        index = self._index
         if index.keys().isdisjoint(digests):             # the common case: all new, entered in one C call
-            new_entries(index, seg, digests, offsets, lengths, crcs, hcrcs)
-            members.update(digests)
-            digests = ()
-        for d, off, n, crc, hcrc in zip(digests, offsets, lengths, crcs, hcrcs):
-            old = pop(d, None)
-            if old is not None:
-                old.seg.members.discard(d)
-                old.seg.live -= old.size
-                self._used -= old.size
-            index[d] = Entry(seg, off, n, crc, hcrc)
-            members.add(d)
+            new_entries(index, seg, digests, offsets, lengths, crcs, headers)
+            seg.members.update(digests)
+        else:
+            hcrcs = [h for (h,) in _HCRC.iter_unpack(headers)]
+            for d, off, n, crc, hcrc in zip(digests, offsets, lengths, crcs, hcrcs):
+                self._add_entry_locked(d, Entry(seg, off, n, crc, hcrc))
+            return
         added = HEADER_SIZE * len(lengths) + sum(lengths)
         seg.live += added
         self._used += added

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 from itertools import accumulate
 from typing import Any, Sequence
 
@@ -23,14 +22,6 @@ from .keys import KINDS
 from .kvcache_storage import CODE_NAMES, INVALID, NO_SPACE, OK, UNAVAILABLE
 
 logger = logging.getLogger("transfer_factory.file_store")
-
-_HCRC = struct.Struct("<52xI")                # the header CRC of each 56-byte header in a run
-
-
-def header_crcs(headers: bytes) -> list[int]:
-    """The header CRC of every header packed back to back in ``headers``."""
-    return [h for (h,) in _HCRC.iter_unpack(headers)]
-
 
 class WriteMixin:
     # ------------------------------------------------------------------------------------ writes
@@ -180,12 +171,16 @@ class WriteMixin:
             sizes = [s for i in order for s in size_lists[i]]
             lengths = [sum(size_lists[i]) for i in order]
             firsts = [0, *accumulate(counts)]         # record k's buffers are ptrs[firsts[k]:firsts[k + 1]]
+        elif len(order) == len(ptr_lists):                # the whole batch, in order (plan indexes ascend)
+            counts = firsts = None
+            ptrs, lengths = ptr_lists, size_lists
+            sizes = lengths
         else:
             counts = firsts = None
             ptrs = [ptr_lists[i] for i in order]
             lengths = sizes = [size_lists[i] for i in order]
         total = sum(lengths) + HEADER_SIZE * len(lengths)
-        ranges = chunked([HEADER_SIZE + n for n in lengths])
+        ranges = chunked(map(HEADER_SIZE.__add__, lengths))
         made: list[tuple] = []
 
         def chunks():
@@ -218,10 +213,10 @@ class WriteMixin:
                     self._used -= reserved
                 return exc
             crcs = [c for chunk in made for c in chunk[5]]
-            hcrcs = header_crcs(b"".join(chunk[0] for chunk in made))
+            headers = b"".join(chunk[0] for chunk in made)
             with self._lock:
                 self._used -= reserved
-                self._add_entries_locked(seg, digests, offsets, lengths, crcs, hcrcs)
+                self._add_entries_locked(seg, digests, offsets, lengths, crcs, headers)
             self._reclaim()
             self._bury()
         return None

@@ -226,7 +226,7 @@ static PyMethodDef methods[] = {
      "select_all(index, digests, ptrs, sizes) -> (segs, offsets, lengths, crcs) when every object is stored, one "
      "valid buffer big enough; else None."},
     {"new_entries", fr_new_entries, METH_VARARGS,
-     "new_entries(index, seg, digests, offsets, lengths, crcs, hcrcs): index[d] = Entry(seg, ...) for each."},
+     "new_entries(index, seg, digests, offsets, lengths, crcs, headers): index[d] = Entry(seg, ...) for each."},
     {"key_groups", fr_key_groups, METH_VARARGS,
      "key_groups(keys, kinds) -> list: each key's object group ('{ns}/{hash}/{rank}'), or None."},
     {"note_blocks", fr_note_blocks, METH_VARARGS,

@@ -49,6 +49,80 @@ PyObject *fr_key_groups(PyObject *self, PyObject *args)
     return out;
 }
 
+/* note_blocks for the common batch, where each block's objects are next to each other: one tuple
+ * per block and nothing else.  1 when done, 0 when the batch is not like that (a group met again
+ * further on, or a member without a digest) and the general path must run, -1 on error. */
+static int adjacent_blocks(PyObject **g, PyObject **d, PyObject **ok, Py_ssize_t n, PyObject *index,
+                           PyObject *siblings)
+{
+    Py_ssize_t *ends = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t));   /* ends[i]: the end of i's run */
+    PyObject *seen = PySet_New(NULL);
+    int result = -1;
+    if (ends == NULL || seen == NULL) {
+        if (ends == NULL)
+            PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < n;) {
+        Py_ssize_t j = i + 1;
+        if (g[i] != Py_None) {
+            for (; j < n && g[j] != Py_None; j++) {
+                int eq = PyObject_RichCompareBool(g[j], g[i], Py_EQ);
+                if (eq < 0)
+                    goto out;
+                if (!eq)
+                    break;
+            }
+            int had = PySet_Contains(seen, g[i]);
+            if (had < 0 || PySet_Add(seen, g[i]) < 0)
+                goto out;
+            if (had) {
+                result = 0;
+                goto out;
+            }
+            for (Py_ssize_t k = i; k < j; k++) {
+                if (d[k] == Py_None) {
+                    result = 0;
+                    goto out;
+                }
+            }
+        }
+        ends[i] = j;
+        i = j;
+    }
+    for (Py_ssize_t i = 0; i < n; i = ends[i]) {
+        Py_ssize_t j = ends[i];
+        if (g[i] == Py_None || j - i < 2)
+            continue;
+        int all_ok = 1;
+        for (Py_ssize_t k = i; k < j && all_ok; k++) {
+            all_ok = PyObject_IsTrue(ok[k]);
+            if (all_ok < 0)
+                goto out;
+        }
+        if (!all_ok)
+            continue;
+        PyObject *t = PyTuple_New(j - i);
+        if (t == NULL)
+            goto out;
+        for (Py_ssize_t k = i; k < j; k++)
+            PyTuple_SET_ITEM(t, k - i, Py_NewRef(d[k]));
+        for (Py_ssize_t k = i; k < j; k++) {
+            int in = PyDict_Contains(index, d[k]);
+            if (in < 0 || (in && PyDict_SetItem(siblings, d[k], t) < 0)) {
+                Py_DECREF(t);
+                goto out;
+            }
+        }
+        Py_DECREF(t);
+    }
+    result = 1;
+out:
+    PyMem_Free(ends);
+    Py_XDECREF(seen);
+    return result;
+}
+
 /* FileStore._note_blocks after its early exit: for every group whose members (in ``groups`` /
  * ``digests``, None skipped) all succeeded (``done``) and are more than one, the tuple of their
  * digests becomes ``siblings[d]`` of each member ``d`` still in ``index``. */
@@ -71,6 +145,13 @@ PyObject *fr_note_blocks(PyObject *self, PyObject *args)
     }
     PyObject **g = PySequence_Fast_ITEMS(groups), **d = PySequence_Fast_ITEMS(digests);
     PyObject **ok = PySequence_Fast_ITEMS(done);
+    int adjacent = adjacent_blocks(g, d, ok, n, index, siblings);
+    if (adjacent < 0)
+        goto out;
+    if (adjacent) {
+        ret = Py_NewRef(Py_None);
+        goto out;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (g[i] == Py_None || d[i] == Py_None)
             continue;
@@ -210,33 +291,37 @@ PyTypeObject fr_EntryType = {
 };
 
 /* FileStore._add_entries_locked's common case: ``index[d] = Entry(seg, ...)`` for records none of
- * which is in the index yet (the caller checked), in order. */
+ * which is in the index yet (the caller checked), in order; each header CRC is read from the
+ * record's header in ``headers`` (the run's headers back to back). */
 PyObject *fr_new_entries(PyObject *self, PyObject *args)
 {
-    PyObject *index, *seg, *digests_obj, *offs_obj, *lens_obj, *crcs_obj, *hcrcs_obj;
-    if (!PyArg_ParseTuple(args, "OOOOOOO:new_entries", &index, &seg, &digests_obj, &offs_obj, &lens_obj, &crcs_obj,
-                          &hcrcs_obj))
+    PyObject *index, *seg, *digests_obj, *offs_obj, *lens_obj, *crcs_obj;
+    Py_buffer headers;
+    if (!PyArg_ParseTuple(args, "OOOOOOy*:new_entries", &index, &seg, &digests_obj, &offs_obj, &lens_obj, &crcs_obj,
+                          &headers))
         return NULL;
-    uint64_t *offs = NULL, *lens = NULL, *crcs = NULL, *hcrcs = NULL;
-    Py_ssize_t n, n1, n2, n3;
+    uint64_t *offs = NULL, *lens = NULL, *crcs = NULL;
+    Py_ssize_t n, n1, n2;
     PyObject *digests = NULL, *ret = NULL;
     if (fr_as_u64s(offs_obj, "offsets", &offs, &n) < 0 || fr_as_u64s(lens_obj, "lengths", &lens, &n1) < 0
-        || fr_as_u64s(crcs_obj, "crcs", &crcs, &n2) < 0 || fr_as_u64s(hcrcs_obj, "hcrcs", &hcrcs, &n3) < 0)
+        || fr_as_u64s(crcs_obj, "crcs", &crcs, &n2) < 0)
         goto done;
     if ((digests = PySequence_Fast(digests_obj, "digests")) == NULL)
         goto done;
-    if (n1 != n || n2 != n || n3 != n || PySequence_Fast_GET_SIZE(digests) != n) {
-        PyErr_SetString(PyExc_ValueError, "digests, offsets, lengths, crcs and hcrcs differ in length");
+    if (n1 != n || n2 != n || PySequence_Fast_GET_SIZE(digests) != n || headers.len != n * HEADER_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "digests, offsets, lengths, crcs and headers differ in length");
         goto done;
     }
     PyObject **d = PySequence_Fast_ITEMS(digests);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    const unsigned char *h = headers.buf;
+    for (Py_ssize_t i = 0; i < n; i++, h += HEADER_SIZE) {
         EntryObject *e = PyObject_New(EntryObject, &fr_EntryType);
         if (e == NULL)
             goto done;
         e->seg = Py_NewRef(seg);
         e->offset = (long long)offs[i], e->length = (long long)lens[i];
-        e->crc = (unsigned int)crcs[i], e->hcrc = (unsigned int)hcrcs[i];
+        e->crc = (unsigned int)crcs[i];
+        e->hcrc = (unsigned int)h[52] | (unsigned int)h[53] << 8 | (unsigned int)h[54] << 16 | (unsigned int)h[55] << 24;
         int r = PyObject_SetItem(index, d[i], (PyObject *)e);
         Py_DECREF(e);
         if (r < 0)
@@ -248,7 +333,7 @@ done:
     PyMem_Free(offs);
     PyMem_Free(lens);
     PyMem_Free(crcs);
-    PyMem_Free(hcrcs);
+    PyBuffer_Release(&headers);
     return ret;
 }
 
