@@ -81,19 +81,20 @@ class ReadMixin:
         index = self._index
         self._maybe_refresh()
         # The records to read, as parallel lists (no tuple per record): batch index, and a snapshot
-        # of the entry taken under the lock (a compaction may move it meanwhile).
+        # of the entry taken under the lock (a compaction may move it meanwhile), their segments
+        # pinned under that same lock.
         with self._lock:
             found = self._select_all(digests, ptr_lists, size_lists, multi)
             missing = found is None and not all(map(index.__contains__, filter(None, digests)))
+            if not missing:
+                sel, segs, offs, lens, crcs = found or self._select(digests, ptr_lists, size_lists, multi, out)
+                pinned = self._pin_all(segs)
         if missing:
             self._refresh()                               # maybe another process stored them
-        with self._lock:
-            if found is None:
-                found = self._select_all(digests, ptr_lists, size_lists, multi) if missing else None
-            sel, segs, offs, lens, crcs = found or self._select(digests, ptr_lists, size_lists, multi, out)
-            pinned = set(segs)
-            for seg in pinned:
-                seg.pins += 1                             # its fd stays this file's until unpinned
+            with self._lock:
+                found = self._select_all(digests, ptr_lists, size_lists, multi)
+                sel, segs, offs, lens, crcs = found or self._select(digests, ptr_lists, size_lists, multi, out)
+                pinned = self._pin_all(segs)
         try:
             if sel:
                 self._read_records(sel, segs, offs, lens, crcs, digests, ptr_lists, size_lists, multi, out,
@@ -104,6 +105,14 @@ class ReadMixin:
                     self._unpin(seg)
         self._note_blocks(digests, keys, [code > 0 for code in out])
         return out
+
+    def _pin_all(self, segs: list) -> set:
+        """Pins each distinct segment once (its fd stays this file's until unpinned); the caller
+        holds the lock."""
+        pinned = set(segs)
+        for seg in pinned:
+            seg.pins += 1
+        return pinned
 
     def _select_all(self, digests, ptrs, sizes, multi) -> tuple | None:
         """The common batch looked up in bulk: every key stored, one valid buffer each, big
