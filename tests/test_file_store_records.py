@@ -357,3 +357,26 @@ def test_note_blocks_matches_its_python_definition(seed):
     siblings = {}
     fr.note_blocks(groups, digests, done, index, siblings)
     assert siblings == _note_blocks_reference(groups, digests, done, index)
+
+
+def test_reads_without_the_bound_xxh3_check_the_same(tmp_path, monkeypatch):
+    """Where xxhash's library exports no XXH3 symbol, reads take read_records + a checksum call per
+    object: the same hits, and a flipped payload byte is still CORRUPT."""
+    from transfer_factory import file_store_read
+    monkeypatch.setattr(file_store_read, "XXH3_DIRECT", False)
+    n, size = 300, 16 << 10
+    src = np.random.default_rng(9).integers(0, 256, n * size, dtype=np.uint8)
+    keys = [key(i // 2, "kv"[i % 2]) for i in range(n)]
+    with open_store(tmp_path) as store:
+        assert store.batch_set(keys, [src.ctypes.data + i * size for i in range(n)], [size] * n) == [OK] * n
+        loc = store.object_location(keys[100])
+        with open(loc.path, "r+b") as f:
+            f.seek(loc.offset + HEADER_SIZE + 5)
+            b = f.read(1)
+            f.seek(loc.offset + HEADER_SIZE + 5)
+            f.write(bytes([b[0] ^ 1]))
+        dst = np.zeros_like(src)
+        codes = store.batch_get(keys, [dst.ctypes.data + i * size for i in range(n)], [size] * n)
+        assert codes[100] == CORRUPT and codes[:100] + codes[101:] == [size] * (n - 1)
+        keep = np.arange(n) != 100
+        assert np.array_equal(dst.reshape(n, size)[keep], src.reshape(n, size)[keep])
