@@ -24,7 +24,7 @@ from .kvcache_storage import BUFFER_TOO_SMALL, CORRUPT, INVALID, NOT_FOUND, UNAV
 logger = logging.getLogger("transfer_factory.file_store")
 
 PIECE_BYTES = 8 << 20                 # records read per call at most (one Python call, one scratch buffer)
-SUB_PIECE_BYTES = 256 << 10           # read_and_sum checksums records after each of these: still in L2
+SUB_PIECE_BYTES = 512 << 10           # read_and_sum checksums records after each of these: still in L2
 GONE, BAD_PAYLOAD, BAD_HEADER = "gone", "payload", "header"
 
 
