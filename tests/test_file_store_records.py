@@ -13,6 +13,7 @@ import pytest
 import xxhash
 
 from transfer_factory import _file_records as fr
+from transfer_factory import file_checksums
 from transfer_factory.file_checksums import XXH3_DIRECT, checksums_at
 from transfer_factory.file_segments import (
     DEAD, FORMAT_VERSION, HEADER_SIZE, LIVE, Entry, Segment, pack_header, parse_header, unpack_header,
@@ -119,6 +120,14 @@ def test_checksums_direct_and_through_python_equal_xxh3():
     assert fr.checksums(xxhash.xxh3_64_intdigest, ptrs, sizes, True) == want
     assert checksums_at(ptrs, sizes) == want
     assert XXH3_DIRECT                                     # the wheel exports it; a fallback still passes above
+    try:
+        assert fr.bind_xxh3(None) is False                 # unbound: every checksum through xxhash's Python call
+        assert checksums_at(ptrs, sizes) == want
+        with pytest.raises(RuntimeError):
+            fr.read_and_sum(0, 0, bytearray(HEADER_SIZE), ptrs[1:2], sizes[1:2], 1 << 20)
+        assert fr.bind_xxh3("/nonexistent/lib.so") is False
+    finally:
+        assert file_checksums._bind_xxh3()
 
 
 # ------------------------------------------------------------------------------------ vectored I/O

@@ -2,30 +2,56 @@
 
 The checksum is XXH3 (``file_segments.payload_checksum``), tens of GB/s on one core.  With CRC32
 (format 1) a helper thread checksummed the next chunk while this one was read or written, since
-zlib lets go of the GIL; XXH3 is faster than that hand-off and keeps the GIL, so every checksum is
-computed on the calling thread.  ``checksums_at`` checksums many single-buffer objects in one call
-(the loop and the views are in ``_file_records``: at 16 KiB the Python call per object cost half
-as much as hashing it); ``Checksummer`` keeps the calls the multi-buffer paths make.
+zlib lets go of the GIL; XXH3 is faster than that hand-off, so every checksum is computed on the
+calling thread.  ``checksums_at`` checksums many single-buffer objects in one call: a C loop over
+XXH3 bound from xxhash's own library, the GIL let go (``XXH3_DIRECT``), else one call of
+``xxh3_64_intdigest`` per object from C (at 16 KiB a Python call per object cost half as much as
+hashing it); ``Checksummer`` keeps the calls the multi-buffer paths make.
 """
 from __future__ import annotations
 
+import ctypes
+import importlib
+import logging
 from bisect import bisect_left
 from itertools import accumulate
 from typing import Iterable, Iterator, Sequence
 
 import xxhash
-import xxhash._xxhash
 
 from . import _file_records
 from .file_segments import payload_checksum
+
+logger = logging.getLogger("transfer_factory.file_store")
 
 CHUNK_MIN = 1 << 20                   # a batch is cut into chunks of at least this
 CHUNK_MAX = 8 << 20                   # and at most this (or an eighth of the batch)
 
 _XXH3 = xxhash.xxh3_64_intdigest
-# The xxhash wheel's extension exports XXH3_64bits_withSeed, the function xxh3_64_intdigest calls:
-# bound, the checksums of a batch are one C loop with the GIL let go (else one Python call each).
-XXH3_DIRECT = _file_records.bind_xxh3(xxhash._xxhash.__file__)
+
+
+def _bind_xxh3() -> bool:
+    """The xxhash wheel's extension exports XXH3_64bits_withSeed, the function xxh3_64_intdigest
+    calls: bound, the checksums of a batch are one C loop with the GIL let go (else one Python
+    call each).  Kept only if it gives xxh3_64_intdigest's answers on a probe, so that another
+    build of xxhash can cost speed, never a wrong checksum."""
+    try:
+        path = importlib.import_module(xxhash.xxh3_64_intdigest.__module__).__file__
+    except (ImportError, AttributeError, TypeError):
+        return False
+    if not path or not _file_records.bind_xxh3(path):
+        return False
+    probe = bytes(range(256)) * 5
+    buf = ctypes.create_string_buffer(probe, len(probe))
+    sizes = [0, 1, 3, 16, 17, 128, 129, 240, 241, 1024, len(probe)]
+    ptrs = [ctypes.addressof(buf)] * len(sizes)
+    if _file_records.checksums(_XXH3, ptrs, sizes) != [_XXH3(probe[:n]) & 0xFFFFFFFF for n in sizes]:
+        logger.warning("file store: XXH3 from %s disagrees with xxhash; checksums go through Python", path)
+        return _file_records.bind_xxh3(None)
+    return True
+
+
+XXH3_DIRECT = _bind_xxh3()
 
 
 def checksums_at(ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:

@@ -15,6 +15,10 @@ xxh3_fn fr_xxh3_direct = NULL;
 
 PyObject *fr_bind_xxh3(PyObject *self, PyObject *arg)
 {
+    if (arg == Py_None) {                             /* unbind: checksums call fn from Python again */
+        fr_xxh3_direct = NULL;
+        Py_RETURN_FALSE;
+    }
     PyObject *path = PyUnicode_EncodeFSDefault(arg);
     if (path == NULL)
         return NULL;
