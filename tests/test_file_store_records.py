@@ -205,12 +205,13 @@ def test_select_all_declines_anything_but_the_simple_batch(tmp_path):
     seg = Segment("x.seg", str(tmp_path / "x.seg"), -1, own=True)
     index = {digest(1): Entry(seg, 0, 10, 5, 6), digest(2): Entry(seg, 66, 20, 7, 8)}
     ds = [digest(1), digest(2)]
-    assert fr.select_all(index, ds, [1, 2], [10, 20]) == ([seg, seg], [0, 66], [10, 20], [5, 7])
-    assert fr.select_all(index, ds, [1, 2], [10, 19]) is None       # a buffer too small
-    assert fr.select_all(index, ds, [1, 0], [10, 20]) is None       # a bad pointer
-    assert fr.select_all(index, ds, [1, True], [10, 20]) is None    # not an int
-    assert fr.select_all(index, [digest(1), digest(3)], [1, 2], [10, 20]) is None   # not stored
-    assert fr.select_all(index, [digest(1), None], [1, 2], [10, 20]) is None        # not a key
+    assert fr.select_all(index, ds, [1, 2], [10, 20], {}) == ([seg, seg], [0, 66], [10, 20], [5, 7], False)
+    assert fr.select_all(index, ds, [1, 2], [10, 20], dict.fromkeys(ds))[4] is True   # every block known
+    assert fr.select_all(index, ds, [1, 2], [10, 19], {}) is None       # a buffer too small
+    assert fr.select_all(index, ds, [1, 0], [10, 20], {}) is None       # a bad pointer
+    assert fr.select_all(index, ds, [1, True], [10, 20], {}) is None    # not an int
+    assert fr.select_all(index, [digest(1), digest(3)], [1, 2], [10, 20], {}) is None   # not stored
+    assert fr.select_all(index, [digest(1), None], [1, 2], [10, 20], {}) is None        # not a key
 
 
 # ------------------------------------------------------------------------------------ the store, in bulk
@@ -389,3 +390,22 @@ def test_reads_without_the_bound_xxh3_check_the_same(tmp_path, monkeypatch):
         assert codes[100] == CORRUPT and codes[:100] + codes[101:] == [size] * (n - 1)
         keep = np.arange(n) != 100
         assert np.array_equal(dst.reshape(n, size)[keep], src.reshape(n, size)[keep])
+
+
+def test_a_bulk_read_notes_blocks_it_did_not_know(tmp_path):
+    """After a reopen no block is known; a bulk read of whole blocks makes them known (eviction
+    then takes a block whole), and a second read leaves them as they are."""
+    a = np.arange(4096, dtype=np.uint8)
+    keys = [key(b, kind) for b in range(20) for kind in ("k", "v")]
+    with open_store(tmp_path) as store:
+        assert store.batch_set(keys, [a.ctypes.data] * len(keys), [4096] * len(keys)) == [OK] * len(keys)
+    with open_store(tmp_path) as store:
+        assert store._siblings == {}
+        out = np.zeros(4096 * len(keys), dtype=np.uint8)
+        ptrs = [out.ctypes.data + 4096 * i for i in range(len(keys))]
+        assert store.batch_get(keys, ptrs, [4096] * len(keys)) == [4096] * len(keys)
+        digests = fr.key_digests(keys)
+        assert store._siblings == {d: (digests[i & ~1], digests[i | 1]) for i, d in enumerate(digests)}
+        before = dict(store._siblings)
+        assert store.batch_get(keys, ptrs, [4096] * len(keys)) == [4096] * len(keys)
+        assert store._siblings == before

@@ -87,13 +87,15 @@ class ReadMixin:
             found = self._select_all(digests, ptr_lists, size_lists, multi)
             missing = found is None and not all(map(index.__contains__, filter(None, digests)))
             if not missing:
-                sel, segs, offs, lens, crcs = found or self._select(digests, ptr_lists, size_lists, multi, out)
+                sel, segs, offs, lens, crcs = found[:5] if found else self._select(digests, ptr_lists, size_lists,
+                                                                                    multi, out)
                 pinned = self._pin_all(segs)
         if missing:
             self._refresh()                               # maybe another process stored them
             with self._lock:
                 found = self._select_all(digests, ptr_lists, size_lists, multi)
-                sel, segs, offs, lens, crcs = found or self._select(digests, ptr_lists, size_lists, multi, out)
+                sel, segs, offs, lens, crcs = found[:5] if found else self._select(digests, ptr_lists, size_lists,
+                                                                                    multi, out)
                 pinned = self._pin_all(segs)
         try:
             if sel:
@@ -103,7 +105,8 @@ class ReadMixin:
             with self._lock:
                 for seg in pinned:
                     self._unpin(seg)
-        self._note_blocks(digests, keys, [code > 0 for code in out])
+        if not (found and found[5]):                      # else every block was known already
+            self._note_blocks(digests, keys, [code > 0 for code in out])
         return out
 
     def _pin_all(self, segs: list) -> set:
@@ -116,11 +119,11 @@ class ReadMixin:
 
     def _select_all(self, digests, ptrs, sizes, multi) -> tuple | None:
         """The common batch looked up in bulk: every key stored, one valid buffer each, big
-        enough.  (batch indexes, segments, offsets, lengths, checksums), or None when the batch is
-        not that simple.  The caller holds the lock."""
+        enough.  (batch indexes, segments, offsets, lengths, checksums, whether every object's
+        block is known), or None when the batch is not that simple.  The caller holds the lock."""
         if multi:
             return None
-        found = select_all(self._index, digests, ptrs, sizes)   # one C pass over the entries
+        found = select_all(self._index, digests, ptrs, sizes, self._siblings)   # one C pass over the entries
         return None if found is None else (list(range(len(digests))), *found)
 
     def _select(self, digests, ptr_lists, size_lists, multi, out) -> tuple:

@@ -31,7 +31,8 @@
 
 #include <string.h>
 
-static uint32_t crc_table[256];
+/* zlib's CRC-32, eight bytes a step (slicing-by-8): a header's 48 bytes in 6 steps, not 48. */
+static uint32_t crc_table[8][256];
 
 static void crc_init(void)
 {
@@ -39,15 +40,24 @@ static void crc_init(void)
         uint32_t c = i;
         for (int k = 0; k < 8; k++)
             c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-        crc_table[i] = c;
+        crc_table[0][i] = c;
     }
+    for (uint32_t i = 0; i < 256; i++)
+        for (int t = 1; t < 8; t++)
+            crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xFF];
 }
 
 static uint32_t crc32_of(const unsigned char *p, size_t n)
 {
     uint32_t c = 0xFFFFFFFFu;
+    for (; n >= 8; n -= 8, p += 8) {
+        uint32_t lo = c ^ ((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
+        c = crc_table[7][lo & 0xFF] ^ crc_table[6][(lo >> 8) & 0xFF] ^ crc_table[5][(lo >> 16) & 0xFF]
+            ^ crc_table[4][lo >> 24] ^ crc_table[3][p[4]] ^ crc_table[2][p[5]] ^ crc_table[1][p[6]]
+            ^ crc_table[0][p[7]];
+    }
     while (n--)
-        c = crc_table[(c ^ *p++) & 0xFF] ^ (c >> 8);
+        c = crc_table[0][(c ^ *p++) & 0xFF] ^ (c >> 8);
     return c ^ 0xFFFFFFFFu;
 }
 
@@ -224,8 +234,8 @@ static PyMethodDef methods[] = {
      "read_and_sum(fd, offset, headers, ptrs, sizes, sub_bytes) -> (bytes read, checksums of the records read "
      "whole): read_records of single-buffer records, each checksummed while still in cache."},
     {"select_all", fr_select_all, METH_VARARGS,
-     "select_all(index, digests, ptrs, sizes) -> (segs, offsets, lengths, crcs) when every object is stored, one "
-     "valid buffer big enough; else None."},
+     "select_all(index, digests, ptrs, sizes, siblings) -> (segs, offsets, lengths, crcs, all in siblings) when "
+     "every object is stored, one valid buffer big enough; else None."},
     {"new_entries", fr_new_entries, METH_VARARGS,
      "new_entries(index, seg, digests, offsets, lengths, crcs, headers): index[d] = Entry(seg, ...) for each."},
     {"key_groups", fr_key_groups, METH_VARARGS,

@@ -339,13 +339,16 @@ done:
 
 /* FileStore._select_all: the common read batch looked up in one pass.  Every digest must be in
  * ``index`` (a dict) and every object one valid buffer (exact int pointer > 0, exact int size at
- * least the record's length); then (segments, offsets, lengths, checksums) of the entries, else
- * None and the caller looks object by object. */
+ * least the record's length); then (segments, offsets, lengths, checksums, known) of the entries,
+ * known telling whether every digest is a key of ``siblings`` too (its block is known), else None
+ * and the caller looks object by object. */
 PyObject *fr_select_all(PyObject *self, PyObject *args)
 {
-    PyObject *index, *digests_obj, *ptrs_obj, *sizes_obj;
-    if (!PyArg_ParseTuple(args, "O!OOO:select_all", &PyDict_Type, &index, &digests_obj, &ptrs_obj, &sizes_obj))
+    PyObject *index, *digests_obj, *ptrs_obj, *sizes_obj, *siblings;
+    if (!PyArg_ParseTuple(args, "O!OOOO!:select_all", &PyDict_Type, &index, &digests_obj, &ptrs_obj, &sizes_obj,
+                          &PyDict_Type, &siblings))
         return NULL;
+    int known = 1;
     PyObject *digests = NULL, *ptrs = NULL, *sizes = NULL, *lists[4] = {NULL, NULL, NULL, NULL}, *ret = NULL;
     if ((digests = PySequence_Fast(digests_obj, "digests")) == NULL || (ptrs = PySequence_Fast(ptrs_obj, "ptrs")) == NULL
         || (sizes = PySequence_Fast(sizes_obj, "sizes")) == NULL)
@@ -374,6 +377,11 @@ PyObject *fr_select_all(PyObject *self, PyObject *args)
             ret = Py_NewRef(Py_None);
             goto done;
         }
+        if (known) {
+            known = PyDict_Contains(siblings, d[i]);
+            if (known < 0)
+                goto done;
+        }
         EntryObject *en = (EntryObject *)e;
         PyObject *v[4] = {Py_NewRef(en->seg), PyLong_FromLongLong(en->offset), PyLong_FromLongLong(en->length),
                           PyLong_FromUnsignedLong(en->crc)};
@@ -387,7 +395,7 @@ PyObject *fr_select_all(PyObject *self, PyObject *args)
         for (int j = 0; j < 4; j++)
             PyList_SET_ITEM(lists[j], i, v[j]);
     }
-    ret = PyTuple_Pack(4, lists[0], lists[1], lists[2], lists[3]);
+    ret = Py_BuildValue("(OOOON)", lists[0], lists[1], lists[2], lists[3], PyBool_FromLong(known));
 done:
     Py_XDECREF(digests);
     Py_XDECREF(ptrs);
