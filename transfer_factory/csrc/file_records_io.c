@@ -13,6 +13,20 @@
  * the GIL let go while hashing.  Set by bind_xxh3(); NULL means "call fn from Python". */
 xxh3_fn fr_xxh3_direct = NULL;
 
+/* The first n values as a new list of Python ints (the checksums both calls hand back). */
+static PyObject *u64_list(const uint64_t *values, Py_ssize_t n)
+{
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *c = PyLong_FromUnsignedLongLong(values[i]);
+        if (c == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, c);
+    }
+    return out;
+}
+
 PyObject *fr_bind_xxh3(PyObject *self, PyObject *arg)
 {
     if (arg == Py_None) {                             /* unbind: checksums call fn from Python again */
@@ -51,9 +65,6 @@ PyObject *fr_checksums(PyObject *self, PyObject *args)
             goto done;
         }
     }
-    out = PyList_New(n);
-    if (out == NULL)
-        goto done;
     xxh3_fn direct = via_python ? NULL : fr_xxh3_direct;
     if (direct != NULL) {
         /* sizes[] is reused for the results: hashed with the GIL let go, then boxed. */
@@ -61,16 +72,12 @@ PyObject *fr_checksums(PyObject *self, PyObject *args)
         for (Py_ssize_t i = 0; i < n; i++)
             sizes[i] = direct((const void *)(uintptr_t)ptrs[i], (size_t)sizes[i], 0) & 0xFFFFFFFFu;
         Py_END_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *c = PyLong_FromUnsignedLongLong(sizes[i]);
-            if (c == NULL) {
-                Py_CLEAR(out);
-                goto done;
-            }
-            PyList_SET_ITEM(out, i, c);
-        }
+        out = u64_list(sizes, n);
         goto done;
     }
+    out = PyList_New(n);
+    if (out == NULL)
+        goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         /* A view of the caller's memory, no copy: the same thing the Python path hashes. */
         PyObject *view = PyMemoryView_FromMemory((char *)(uintptr_t)ptrs[i], (Py_ssize_t)sizes[i], PyBUF_READ);
@@ -320,17 +327,9 @@ PyObject *fr_read_and_sum(PyObject *self, PyObject *args)
         PyErr_SetFromErrno(PyExc_OSError);
         goto done;
     }
-    PyObject *sums = PyList_New(whole);
+    PyObject *sums = u64_list(sizes, whole);
     if (sums == NULL)
         goto done;
-    for (Py_ssize_t m = 0; m < whole; m++) {
-        PyObject *c = PyLong_FromUnsignedLongLong(sizes[m]);
-        if (c == NULL) {
-            Py_DECREF(sums);
-            goto done;
-        }
-        PyList_SET_ITEM(sums, m, c);
-    }
     ret = Py_BuildValue("(LN)", (long long)done_bytes, sums);
 done:
     PyMem_Free(iov);
