@@ -98,27 +98,30 @@ def barrier_fields(body: dict) -> tuple[str, int, float]:
 
 
 # -- RankResult ------------------------------------------------------------------
+# Why a value is not of a scalar annotation, or None; ``_type_problem`` and the compiled per-field
+# checks of results both use these.
+_SCALAR_PROBLEMS: dict[Any, Callable[[Any], str | None]] = {
+    Any: lambda value: None,
+    object: lambda value: None,
+    type(None): lambda value: None if value is None else "is not None",
+    bool: lambda value: None if type(value) is bool else "is not a bool",
+    int: lambda value: None if is_int(value) else "is not an integer within +-2**62",
+    float: lambda value: None if is_number(value) else f"is not a finite number within +-{MAX_FLOAT:g}",
+    str: lambda value: None if is_text(value) else f"is not a string of at most {MAX_TEXT_CHARS} characters",
+    bytes: lambda value: None if type(value) is bytes else "is not bytes",
+}
+
+
 def _type_problem(value: Any, tp: Any) -> str | None:
     """Why ``value`` is not a ``tp`` (a field annotation), or None.  The wire already bounded
     the depth and refused non-plain data, so this only checks shape and ranges."""
-    if tp is Any or tp is object:
-        return None
+    scalar = _SCALAR_PROBLEMS.get(tp)
+    if scalar is not None:
+        return scalar(value)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         problems = [_type_problem(value, arm) for arm in args]
         return None if None in problems else " and ".join(p for p in problems if p)
-    if tp is type(None):
-        return None if value is None else "is not None"
-    if tp is bool:
-        return None if type(value) is bool else "is not a bool"
-    if tp is int:
-        return None if is_int(value) else "is not an integer within +-2**62"
-    if tp is float:
-        return None if is_number(value) else f"is not a finite number within +-{MAX_FLOAT:g}"
-    if tp is str:
-        return None if is_text(value) else f"is not a string of at most {MAX_TEXT_CHARS} characters"
-    if tp is bytes:
-        return None if type(value) is bytes else "is not bytes"
     if origin is list:
         if type(value) is not list:
             return "is not a list"
@@ -144,7 +147,7 @@ _RESULT_FIELDS, _RESULT_REQUIRED = _result_schema()
 
 
 def _checkable(tp: Any) -> bool:
-    if tp in (Any, object, type(None), bool, int, float, str, bytes):
+    if tp in _SCALAR_PROBLEMS:
         return True
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is dict:  # keys are strings on the wire; only the values need a check
@@ -155,19 +158,9 @@ def _checkable(tp: Any) -> bool:
 
 
 def _compiled_check(tp: Any) -> Callable[[Any], str | None]:
-    """``_type_problem`` for one annotation, with the common scalars resolved once: every result
+    """``_type_problem`` for one annotation, with a scalar's check looked up once: every result
     of every task passes here, on the engine's queue thread."""
-    if tp is Any or tp is object:
-        return lambda value: None
-    if tp is bool:
-        return lambda value: None if type(value) is bool else "is not a bool"
-    if tp is int:
-        return lambda value: None if is_int(value) else "is not an integer within +-2**62"
-    if tp is float:
-        return lambda value: None if is_number(value) else f"is not a finite number within +-{MAX_FLOAT:g}"
-    if tp is str:
-        return lambda value: None if is_text(value) else f"is not a string of at most {MAX_TEXT_CHARS} characters"
-    return lambda value: _type_problem(value, tp)
+    return _SCALAR_PROBLEMS.get(tp) or (lambda value: _type_problem(value, tp))
 
 
 _RESULT_CHECKS = {name: (_compiled_check(tp), tp is float) for name, tp in _RESULT_FIELDS.items()}
