@@ -109,9 +109,3 @@ class FloorRanks:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def floor_round_trips(ranks: int, rounds: int, warmup: int = 50, timeout_ms: int = 10_000) -> np.ndarray:
-    """Per-round milliseconds of a fresh floor: ``warmup`` untimed rounds, then ``rounds`` timed."""
-    with FloorRanks(ranks, timeout_ms) as floor:
-        return floor.round_trips(rounds, warmup)
