@@ -28,6 +28,7 @@ read_ratio}, ...] (FileStore over raw file I/O), and the throughputs behind them
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -131,6 +132,29 @@ def _expect(got: list[int], want: list[int], what: str) -> None:
         raise RuntimeError(f"{what} task moved {len(got)} of {len(want)} blocks")
 
 
+def write_new_file(path: str, data: np.ndarray) -> None:
+    """The raw floor of a durable write: ``data`` as one new file, written sequentially, one fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view, done = memoryview(data), 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_whole_file(path: str, into: np.ndarray) -> None:
+    """The raw floor of a read: the file read sequentially into ``into``, which it must fill."""
+    with open(path, "rb", buffering=0) as f:
+        view, done = memoryview(into), 0
+        while done < len(view):
+            got = f.readinto(view[done:])
+            if not got:
+                raise RuntimeError(f"raw read of {path} got {done} of {len(view)} bytes")
+            done += got
+
+
 def file_ratios(root: str, object_bytes: int, total: int, reps: int) -> dict[str, float]:
     """FileStore batch_set / batch_get of ``total // object_bytes`` objects against one sequential
     write (+ one fsync) and one sequential read of the same bytes in one file, same directory."""
@@ -148,25 +172,6 @@ def file_ratios(root: str, object_bytes: int, total: int, reps: int) -> dict[str
         store.register_buffer(src.ctypes.data, nbytes)
         store.register_buffer(dst.ctypes.data, nbytes)
 
-        def raw_write() -> None:
-            fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                view, done = memoryview(src), 0
-                while done < nbytes:
-                    done += os.write(fd, view[done:])
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-        def raw_read() -> None:
-            with open(raw_path, "rb", buffering=0) as f:
-                view, done = memoryview(dst), 0
-                while done < nbytes:
-                    got = f.readinto(view[done:])
-                    if not got:
-                        raise RuntimeError(f"raw read got {done} of {nbytes} bytes")
-                    done += got
-
         for rep in range(reps + 1):
             keys = [f"bench/f{object_bytes}r{rep}b{i // 2:06d}/0/{'kv'[i % 2]}" for i in range(n)]
             if os.path.exists(raw_path):
@@ -175,8 +180,8 @@ def file_ratios(root: str, object_bytes: int, total: int, reps: int) -> dict[str
             got: dict[str, float] = {}
             for who in order:
                 if who == "raw":
-                    got["raw_w"] = timed(raw_write)
-                    got["raw_r"] = timed(raw_read)
+                    got["raw_w"] = timed(lambda: write_new_file(raw_path, src))
+                    got["raw_r"] = timed(lambda: read_whole_file(raw_path, dst))
                 else:
                     res: list = []
                     got["store_w"] = timed(lambda: res.extend(store.batch_set(keys, ptrs, sizes)))
@@ -262,35 +267,8 @@ def raw_file_round(root: str, shards: list[np.ndarray], backs: list[np.ndarray],
     fsync, then read back into ``backs`` (faulted in already, as the device blocks a task reads into
     are), the ranks in parallel threads as the CTMs run."""
     paths = [os.path.join(root, f"raw-{tag}-rank{r}") for r in range(len(shards))]
-
-    def write(i: int) -> None:
-        fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            view, done = memoryview(shards[i]), 0
-            while done < len(view):
-                done += os.write(fd, view[done:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def read(i: int) -> None:
-        with open(paths[i], "rb", buffering=0) as f:
-            view, done = memoryview(backs[i]), 0
-            while done < len(view):
-                got = f.readinto(view[done:])
-                if not got:
-                    raise RuntimeError(f"raw read of {paths[i]} got {done} bytes")
-                done += got
-
-    def parallel(fn: Callable[[int], None]) -> None:
-        threads = [threading.Thread(target=fn, args=(i,)) for i in range(len(shards))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
-    w = timed(lambda: parallel(write))
-    r = timed(lambda: parallel(read))
+    w = timed(lambda: parallel([functools.partial(write_new_file, p, a) for p, a in zip(paths, shards)]))
+    r = timed(lambda: parallel([functools.partial(read_whole_file, p, b) for p, b in zip(paths, backs)]))
     if not all(np.array_equal(a, b) for a, b in zip(shards, backs)):
         raise RuntimeError("raw file round read back other bytes")
     for b in backs:
