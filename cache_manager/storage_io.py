@@ -39,7 +39,7 @@ def begin_task_stats() -> CallStats:
     return _stats.current
 
 
-def _current_stats() -> CallStats:
+def current_task_stats() -> CallStats:
     stats = getattr(_stats, "current", None)
     return stats if stats is not None else begin_task_stats()
 
@@ -103,9 +103,32 @@ class IOThread:
         return not self._thread.is_alive()
 
 
+class ScatterLease:
+    """Lets an I/O thread write into a task's device blocks only while the task still waits for
+    it: once the task revokes the lease (before it answers), nothing more is written.  Revoking
+    waits for a write in progress, so a lease is only for copies that cannot stall."""
+
+    def __init__(self, deadline: float):
+        self._deadline = deadline
+        self._live = True
+        self._lock = threading.Lock()
+
+    def run(self, write: Callable[[], Any]) -> bool:
+        """Run ``write`` if the lease is live and its deadline has not passed; whether it ran."""
+        with self._lock:
+            if not self._live or time.monotonic() >= self._deadline:
+                return False
+            write()
+            return True
+
+    def revoke(self) -> None:
+        with self._lock:
+            self._live = False
+
+
 def start_call(io: IOThread, fn: Callable[[], Any], deadline: float, what: str, log: logging.Logger) -> Future | None:
     """Queue ``fn`` on ``io``; None (and a log line) when the backlog is full."""
-    stats = _current_stats()
+    stats = current_task_stats()
     stats.calls += 1
     try:
         return io.submit(fn, deadline)
@@ -120,13 +143,13 @@ def wait_call(future: Future, deadline: float, what: str, backend: str, log: log
     try:
         return future.result(timeout=max(0.0, deadline - time.monotonic())), False
     except FutureTimeout:
-        _current_stats().failures += 1
+        current_task_stats().failures += 1
         running = not future.cancel()  # a call that had not started never will
         log.error("storage %s timed out (%s)%s", what, backend,
                   ": the call is still running" if running else ": never started")
         return None, running
     except Exception as exc:
-        _current_stats().failures += 1
+        current_task_stats().failures += 1
         log.error("storage %s failed: %s: %s", what, type(exc).__name__, exc)
         return None, False
 

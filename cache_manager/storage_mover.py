@@ -13,7 +13,11 @@ move the bytes, chosen from what the platform and the backend say they can do:
   deadline.  A backend call that outlives its task touches only its staging buffer, which
   stays out of use until the call returns: a late call can neither change a device block
   nor store bytes the engine wrote after the task (it stores the snapshot taken while the
-  task was live, under the key those bytes belong to).
+  task was live, under the key those bytes belong to).  A backend that reads by CPU copies
+  (``staged_read_piece_bytes``, the file store), on a platform whose copies cannot stall,
+  is read in pieces instead: the I/O thread reads a piece into the first staging slots and
+  scatters it while it is still in the CPU cache, under a ``ScatterLease`` that the task
+  revokes before it answers, so nothing reaches a device block once the task has answered.
 * **direct** (``--storage_transfer direct``, backends with multi-buffer calls): the backend
   gathers/scatters a block's layers straight from/to the device caches.  A direct call that
   outlives its task still touches device blocks, so the rank answers in time (0 blocks)
@@ -46,8 +50,9 @@ from transfer_factory.keys import Namespace, storage_key
 from transfer_factory.kvcache_storage import KVCacheStorage, StorageAccess
 
 from .cache_tasks import Outcome, ReadStorageTask, WriteStorageTask
-from .storage_io import (IO_BACKLOG, KIND_TAGS, IOThread, StorageBusy, begin_task_stats, check_block_ids,
-                         close_backend_within, leading, read_span, start_call, wait_call)
+from .storage_io import (IO_BACKLOG, KIND_TAGS, IOThread, ScatterLease, StorageBusy, begin_task_stats,
+                         check_block_ids, close_backend_within, current_task_stats, leading, read_span, start_call,
+                         wait_call)
 
 TRANSFER_MODES = ("auto", "staged", "direct")
 STAGING_BUFFERS = 2  # per direction: one for the task at hand, one held by a call that outlived its task
@@ -112,6 +117,11 @@ class StorageMover:
             for g in self.groups:
                 for t in g.tensors:
                     backend.register_buffer(int(t.data_ptr()), int(np.prod(t.shape)) * t.element_size())
+        # Backends that copy through the CPU (the file store) read a staged chunk in pieces that
+        # are scattered while still in cache; a backend whose every call is a round trip reads a
+        # chunk in one call.
+        piece = int(getattr(backend, "staged_read_piece_bytes", 0) or 0)
+        self._piece_blocks = max(1, piece // self._block_bytes()) if piece and platform.copies_cannot_stall else 0
         self._staging_count = staging_buffers
         self._staging: dict[str, queue.SimpleQueue] = {"read": queue.SimpleQueue(), "write": queue.SimpleQueue()}
         self._all_staging: list[_Staging] = []
@@ -309,6 +319,8 @@ class StorageMover:
         except StorageBusy as exc:
             self.log.error("storage %s not started: %s", what, exc)
             return _Chunk()
+        if self._piece_blocks:
+            return self._read_pieces(buf, keys, gpu_ids, deadline, what)
         ptrs, sizes = self._staged_batch(buf, len(gpu_ids))
 
         def job() -> list[int]:
@@ -328,11 +340,58 @@ class StorageMover:
             if loaded and time.monotonic() >= deadline:
                 self.log.error("storage %s finished after its deadline: nothing scattered", what)
                 loaded = 0
-            for g, plan in zip(self.groups, buf.plans):  # only the good prefix, only in time
-                if loaded:
-                    self.platform.run_plan(plan, list(gpu_ids[:loaded]), list(range(loaded)), ops.HOST_TO_DEVICE)
+            if loaded:  # only the good prefix, only in time
+                self._scatter(buf, gpu_ids[:loaded], range(loaded))
         finally:
             self._staging["read"].put(buf)
+        return _Chunk(loaded)
+
+    def _scatter(self, buf: _Staging, gpu_ids: Sequence[int], slots: Sequence[int], bulk: bool = False) -> None:
+        for plan in buf.plans:
+            self.platform.run_plan(plan, list(gpu_ids), list(slots), ops.HOST_TO_DEVICE, bulk=bulk)
+
+    def _read_pieces(self, buf: _Staging, keys: list[str], gpu_ids: Sequence[int], deadline: float,
+                     what: str) -> _Chunk:
+        """A staged read in pieces that stay in the CPU cache: the I/O thread reads a piece into
+        the first slots of the staging buffer and scatters it at once, under a lease the task
+        revokes before it answers.  The bytes then cross main memory once each way, as a raw
+        read's do, instead of three times (read, checksum, scatter of the whole chunk).  Only
+        on platforms whose copies cannot stall: revoking waits for a scatter in progress."""
+        lease = ScatterLease(deadline)
+        kinds, step = len(self.groups), self._piece_blocks
+        ptrs, sizes = self._staged_batch(buf, min(step, len(gpu_ids)))
+
+        def job() -> tuple[int, int]:
+            self._register(buf)
+            loaded = calls = 0
+            for start in range(0, len(gpu_ids), step):
+                n = min(step, len(gpu_ids) - start)
+                res = self.backend.batch_get(keys[start * kinds:(start + n) * kinds], ptrs[:n * kinds],
+                                             sizes[:n * kinds])
+                calls += 1
+                good = leading(self._per_block([r == size for r, size in zip(res, sizes)], n))
+                piece = gpu_ids[start:start + good]
+                if good and not lease.run(lambda: self._scatter(buf, piece, range(len(piece)), bulk=True)):
+                    break
+                loaded += good
+                if good < n:
+                    break
+            return loaded, calls
+
+        future = self._start("read", job, deadline, what)
+        if future is None:
+            self._staging["read"].put(buf)
+            return _Chunk()
+        res, running = self._wait(future, deadline, what)
+        lease.revoke()  # from here on the job scatters nothing: the task may answer
+        if running:
+            future.add_done_callback(lambda _f: self._staging["read"].put(buf))
+            return _Chunk()
+        self._staging["read"].put(buf)
+        if res is None:
+            return _Chunk()
+        loaded, calls = res
+        current_task_stats().calls += calls - 1
         return _Chunk(loaded)
 
     def close(self, timeout: float = 5.0, close_backend: bool = True) -> None:

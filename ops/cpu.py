@@ -224,12 +224,13 @@ class CpuPlatform(Platform):
     def host_allocations(self) -> HostAllocations:
         return self._hosts
 
-    def run_plan(self, plan: CopyPlan, device_ids: BlockIds, host_ids: BlockIds, mode: int) -> int:
+    def run_plan(self, plan: CopyPlan, device_ids: BlockIds, host_ids: BlockIds, mode: int,
+                 bulk: bool = False) -> int:
         c = orient(plan, device_ids, host_ids, mode)  # the kernel checks ranges and duplicates itself
         return _block_copy.copy_blocks(
             c.src.bases, c.src.capacities, c.src.stride, c.src_ids, c.src.name,
             c.dst.bases, c.dst.capacities, c.dst.stride, c.dst_ids, c.dst.name,
-            plan.block_bytes, self.copy_threads,
+            plan.block_bytes, self.copy_threads, bulk,
         )
 
     def memory_allocated(self, device_id: int | None = None) -> int:

@@ -349,7 +349,8 @@ class NpuPlatform(Platform):
         ref = self._swap_plans.get(id(plan))
         return ref is not None and ref() is plan
 
-    def run_plan(self, plan: CopyPlan, device_ids: BlockIds, host_ids: BlockIds, mode: int) -> int:
+    def run_plan(self, plan: CopyPlan, device_ids: BlockIds, host_ids: BlockIds, mode: int,
+                 bulk: bool = False) -> int:  # aclrtMemcpy's DMA does not pass through the CPU caches
         if self.copy_engine == "llm_datadist" and self._is_swap_plan(plan):
             return self._copier().run(plan, device_ids, host_ids, mode)  # binds the thread to the device
         c = orient(plan, device_ids, host_ids, mode)

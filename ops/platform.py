@@ -120,8 +120,11 @@ class Platform(ABC):
         """The bookkeeping of ``host_alloc`` that bounds-checks host pointers."""
 
     @abstractmethod
-    def run_plan(self, plan: "CopyPlan", device_block_ids: BlockIds, host_block_ids: BlockIds, mode: int) -> int:
-        """Copy the listed blocks of a checked plan; checks ids and mode first.  Returns the copy count."""
+    def run_plan(self, plan: "CopyPlan", device_block_ids: BlockIds, host_block_ids: BlockIds, mode: int,
+                 bulk: bool = False) -> int:
+        """Copy the listed blocks of a checked plan; checks ids and mode first.  Returns the copy count.
+        ``bulk``: the call is one piece of a transfer far larger than the CPU caches (a hint; a
+        platform whose copies do not pass through the CPU caches ignores it)."""
 
     def plan_all_layers(self, caches: Sequence[Any], host_ptrs: Sequence[int], num_cpu_blocks: int) -> "CopyPlan":
         """The checked plan of ``swap_cache_all_layers``; a CTM builds it once and reuses it per task."""

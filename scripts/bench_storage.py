@@ -18,7 +18,8 @@ File store, for objects of 16 KiB and of 512 KiB (--file-mib MiB per batch):
                   (the page cache is warm in both)
   and the file backend's default path: the Mooncake-sized tasks through TP=2 CTMs, against each
                   rank's bytes written as one new file + fsync and read back, the ranks in parallel
-                  threads (file_default_write_ratio / _read_ratio, target >= 0.9)
+                  threads (file_default_write_ratio / _read_ratio, target >= 0.9; median of
+                  --file-task-reps)
 Each figure is the median of --reps repetitions (fresh keys for every write), raw and store
 rounds interleaved so that a shared machine's drift hits both alike.  Prints a table, then one
 JSON line: default_path, mooncake_default_write_ratio / _read_ratio (the default path's task
@@ -300,13 +301,16 @@ def file_rounds(args: argparse.Namespace, spec: CacheSpec, out: dict) -> None:
             fill_caches(svc)
             shards = [np.random.default_rng(r).integers(0, 256, task_bytes // TP, dtype=np.uint8) for r in range(TP)]
             backs = [np.ones_like(a) for a in shards]
-            times = interleaved(args.reps, {"raw": lambda tag: raw_file_round(root, shards, backs, tag),
-                                            "task": lambda tag: task_round(svc, args.blocks, f"file-{tag}")})
+            times = interleaved(args.file_task_reps, {
+                "raw": lambda tag: raw_file_round(root, shards, backs, tag),
+                "task": lambda tag: task_round(svc, args.blocks, f"file-{tag}"),
+            })
         w, r = median_gbps(task_bytes, times["raw"][0]), median_gbps(task_bytes, times["raw"][1])
         tw, tr = median_gbps(task_bytes, times["task"][0]), median_gbps(task_bytes, times["task"][1])
         out.update(file_task_write_gbps=tw, file_task_read_gbps=tr, file_raw_write_gbps=w, file_raw_read_gbps=r,
                    file_default_write_ratio=tw / w, file_default_read_ratio=tr / r)
-        print(f"file default path (staged, {args.blocks} blocks, TP={TP}): raw write {w:5.2f} GB/s, task {tw:5.2f} GB/s "
+        print(f"file default path (staged, {args.blocks} blocks, TP={TP}, median of {args.file_task_reps}): "
+              f"raw write {w:5.2f} GB/s, task {tw:5.2f} GB/s "
               f"({tw / w:.2f}x) | raw read {r:5.2f} GB/s, task {tr:5.2f} GB/s ({tr / r:.2f}x) (target >= 0.9)",
               flush=True)
 
@@ -327,6 +331,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--file-mib", type=int, default=64, help="MiB per file store batch")
+    parser.add_argument("--file-task-reps", type=int, default=15,
+                        help="repetitions of the file backend's default-path rounds (each takes tens of ms, and "
+                             "a 2-core machine's drift needs more of them for a steady median)")
     parser.add_argument("--direct", action="store_true", help="also measure the opt-in direct path (not the headline)")
     parser.add_argument("--only", choices=("mooncake", "file"), help="run one part only")
     parser.add_argument("--no-file-tasks", action="store_true", help="skip the file backend's CTM tasks")
@@ -338,8 +345,8 @@ def main() -> None:
         args.mooncake_option = dict(_option(o) for o in args.mooncake_option)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.blocks < 1 or args.layers < 1 or args.reps < 1 or args.file_mib < 1:
-        parser.error("--blocks, --layers, --reps and --file-mib must be positive")
+    if min(args.blocks, args.layers, args.reps, args.file_mib, args.file_task_reps) < 1:
+        parser.error("--blocks, --layers, --reps, --file-mib and --file-task-reps must be positive")
     _common.setup_logging(args.verbose)
     spec = CacheSpec(num_layers=args.layers, num_blocks=2 * args.blocks, kv_heads=8, block_size=64, head_dim=128)
     object_bytes = args.layers * spec.kv_heads * spec.block_size * spec.head_dim * 2

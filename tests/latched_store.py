@@ -8,7 +8,12 @@ through files, since the calls run in other processes:
   ``batch_set_multi``, ``batch_get_multi``, ``exists``) blocks before touching any buffer;
 * the call announces itself with ``<latch_dir>/<call>.entered.<rank>`` and, once it has
   returned from the real store, ``<latch_dir>/<call>.done.<rank>``;
-* removing ``<latch_dir>/<call>`` releases it.  A latch holds at most ``MAX_LATCH_S``.
+* removing ``<latch_dir>/<call>`` releases it.  A latch holds at most ``MAX_LATCH_S``;
+* a latch file holding a number N lets the first N calls of each rank through and blocks the
+  rest (a read stuck after its first pieces).
+
+The store reads in the inner FileStore's pieces (``staged_read_piece_bytes``), as the file
+backend does.
 """
 from __future__ import annotations
 
@@ -32,11 +37,21 @@ class LatchedStore(KVCacheStorage):
         self.latch_dir = options.pop("latch_dir")
         self.rank = rank
         self.inner = FileStore(namespace=namespace, rank=rank, options=options)
+        self.staged_read_piece_bytes = self.inner.staged_read_piece_bytes
+        self._passed: dict[str, int] = {}  # per call: calls let through by a numbered latch
 
     def _gate(self, call: str) -> None:
         latch = os.path.join(self.latch_dir, call)
-        if not os.path.exists(latch):
+        try:
+            with open(latch) as f:
+                allowed = f.read().strip()
+        except FileNotFoundError:
+            self._passed.pop(call, None)
             return
+        if allowed:
+            self._passed[call] = self._passed.get(call, 0) + 1
+            if self._passed[call] <= int(allowed):
+                return
         open(f"{latch}.entered.{self.rank}", "w").close()
         deadline = time.monotonic() + MAX_LATCH_S
         while os.path.exists(latch) and time.monotonic() < deadline:

@@ -160,6 +160,35 @@ def test_stalled_backend_read_never_changes_a_device_block_after_the_task(latche
     assert _same(block_bytes(svc, [9, 10]), original)
 
 
+def test_read_stuck_after_its_first_piece_never_changes_a_device_block_after_the_task(tmp_path):
+    """The file backend's staged read goes in pieces, each scattered at once by the I/O thread
+    under the task's lease.  Here the second piece's get hangs past the deadline: the task answers
+    0 blocks in time, and when the get returns, nothing more reaches the device blocks."""
+    latch = Latch(tmp_path / "latch")
+    svc = start_service(storage_backend="latched", extra_env=PLUGIN_ENV,
+                        storage_options={"root": str(tmp_path / "store"), "latch_dir": str(latch.dir),
+                                         "fsync": False, "read_piece_bytes": 1})  # one block per piece
+    try:
+        fill_distinct(svc, seed=14)
+        hashes, target = _hashes("pieces", 3), [7, 8, 9]
+        original = block_bytes(svc, [1, 2, 3])
+        assert svc.write_storage(hashes, [1, 2, 3], timeout=10).result(timeout=20) == [1, 2, 3]
+        write_random_blocks(svc, target, seed=15)
+        (latch.dir / "batch_get").write_text("1")  # each rank's first piece goes through
+        future = _stalled(latch, "batch_get", lambda: svc.read_storage(hashes, target, timeout=TIMEOUT))
+        assert future.released.done()
+        reused = write_random_blocks(svc, target, seed=16)  # the engine computes into the blocks
+        latch.open("batch_get")
+        _wait_for(lambda: latch.seen("batch_get", "done"), 10, "the stuck piece to return")
+        time.sleep(0.3)
+        assert _same(block_bytes(svc, target), reused), "a late piece scattered into reused device blocks"
+        # Unlatched, the same read loads every piece, bit-exact.
+        assert svc.read_storage(hashes, [10, 11, 12], timeout=10).result(timeout=20) == [10, 11, 12]
+        assert _same(block_bytes(svc, [10, 11, 12]), original)
+    finally:
+        svc.shutdown()
+
+
 def test_stalled_backend_backlog_is_bounded_and_fails_tasks_fast(latched):
     """A backend stuck for good: tasks keep failing in time; nothing piles up; it recovers."""
     mode, svc, latch = latched

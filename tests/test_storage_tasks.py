@@ -1,8 +1,14 @@
 """Read-storage and write-storage tasks through real CTM processes at TP=2, file backend, on the opt-in
-direct path; the default (staged) path of every backend is in test_backend_conformance.py."""
+direct path and on the staged path read in pieces of one block (the file backend's default reads
+in 4 MiB pieces; one block per piece makes every read here several pieces); the default path of
+every backend is also in test_backend_conformance.py."""
+import threading
+import time
+
 import numpy as np
 import pytest
 
+from cache_manager.storage_io import ScatterLease
 from engine_hooks import CacheSpec, StartupError, TaskFailedError
 from tests.service_helpers import fill_distinct, start_service, views
 from transfer_factory.file_store import FileStore
@@ -17,11 +23,16 @@ def keys_for(n: int, seed: int = 0) -> list[str]:
     return chain_hashes(tokens, SPEC.block_size)
 
 
-@pytest.fixture(scope="module", params=["direct"])
+@pytest.fixture(scope="module", params=["direct", "pieces"])
 def svc(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"kv-{request.param}")
-    service = start_service(SPEC, storage_backend="file", storage_transfer=request.param,
-                            storage_options={"root": str(root), "fsync": False}, model_id="test/model-a")
+    options = {"root": str(root), "fsync": False}
+    if request.param == "pieces":
+        options["read_piece_bytes"] = 1  # a piece is at least one block
+    service = start_service(SPEC, storage_backend="file",
+                            storage_transfer="direct" if request.param == "direct" else "auto",
+                            storage_options=options, model_id="test/model-a")
+    service.path = request.param
     service.file_root = root
     yield service
     service.shutdown()
@@ -89,6 +100,25 @@ def test_partial_and_damaged_objects_cut_the_read_at_the_minimum_over_ranks(svc)
         assert np.array_equal(view[[8, 9]], want[k])
 
 
+def test_a_staged_read_cut_by_a_missing_object_leaves_the_later_blocks_untouched(svc):
+    if svc.path == "direct":
+        pytest.skip("a direct read writes the device blocks before it knows they are whole")
+    fill_distinct(svc, seed=5)
+    v = views(svc)
+    keys = keys_for(4, seed=5)
+    assert svc.write_storage(keys, [0, 1, 2, 3]).result(timeout=30) == [0, 1, 2, 3]
+    ns = str(svc.namespace())
+    with FileStore(ns, 0, {"root": str(svc.file_root), "fsync": False}) as store:
+        assert store.delete([storage_key(ns, keys[2], 0, "k")]) == [0]
+    before = {k: view[[12, 13]].copy() for k, view in v.items()}
+    want = {k: view[[0, 1]].copy() for k, view in v.items()}
+    assert svc.read_storage(keys, [10, 11, 12, 13]).result(timeout=30) == [10, 11]
+    for k, view in v.items():
+        assert np.array_equal(view[[10, 11]], want[k]), f"rank/kind/layer {k}"
+        if k[0] == 0:  # the rank that misses block 2 reads and scatters nothing from there on
+            assert np.array_equal(view[[12, 13]], before[k]), f"rank/kind/layer {k}"
+
+
 def test_bad_storage_task_input_fails_clearly(svc):
     with pytest.raises(TaskFailedError, match="2 keys but 1 gpu_block_ids"):
         svc.write_storage(keys_for(2), [0]).result(timeout=30)
@@ -110,3 +140,30 @@ def test_bad_backend_config_fails_at_start_with_a_clear_message(tmp_path):
         start_service(SPEC, tp=1, storage_backend="attention_store", extra_env=env)
     with pytest.raises(ValueError, match="storage_backend 'redis'"):
         start_service(SPEC, tp=1, storage_backend="redis")
+
+
+def test_a_revoked_scatter_lease_waits_for_the_write_in_progress_and_allows_no_more():
+    """What keeps a pieced read's late piece out of the device blocks: the task revokes the lease
+    before it answers, and revoking waits for a scatter already under way."""
+    lease = ScatterLease(time.monotonic() + 30)
+    started, finish, log = threading.Event(), threading.Event(), []
+
+    def slow_scatter():
+        started.set()
+        finish.wait(5)
+        log.append("scattered")
+
+    writer = threading.Thread(target=lambda: lease.run(slow_scatter))
+    writer.start()
+    assert started.wait(5)
+    revoker = threading.Thread(target=lambda: (lease.revoke(), log.append("revoked")))
+    revoker.start()
+    time.sleep(0.2)
+    assert log == [], "revoke returned while a scatter was still writing"
+    finish.set()
+    revoker.join(5)
+    writer.join(5)
+    assert log == ["scattered", "revoked"]
+    assert lease.run(lambda: log.append("late")) is False and log == ["scattered", "revoked"]
+    assert ScatterLease(time.monotonic() - 1).run(lambda: log.append("expired")) is False
+    assert log == ["scattered", "revoked"]

@@ -28,7 +28,10 @@ FASTDEPLOY_ENV_ROOT = "FILE_BACKEND_STORAGE_DIR"  # FastDeploy's file backend re
 ENV_CAPACITY = "CTM_FILE_STORE_CAPACITY"
 DEFAULT_ROOT = "~/.cache/cache-transfer-manager/kv"
 DEFAULT_CAPACITY = 64 << 30
-OPTIONS = ("root", "capacity_bytes", "fsync")
+OPTIONS = ("root", "capacity_bytes", "fsync", "read_piece_bytes")
+# A staged read is read and scattered in pieces of this size, each while still in the CPU cache
+# (StorageMover); two ranks' pieces fit a shared L3 many times over.
+DEFAULT_READ_PIECE_BYTES = 4 << 20
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 

@@ -31,6 +31,9 @@ Primitives and their contracts:
 ``access`` says how the CTM feeds a backend: ``HOST_STAGED`` backends get bytes through a
 registered host buffer; ``DEVICE_DIRECT`` backends (EMS, AttentionStore) read and write the
 device caches themselves.  The CTM asks; it never branches on backend names.
+``staged_read_piece_bytes`` (0: one call per chunk) is for backends whose reads are CPU copies
+with no round trip to pay per call (the file store): the CTM reads a staged chunk in pieces of
+about this size and scatters each while it is still in the CPU cache.
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ class KVCacheStorage(ABC):
     name: str = "abstract"
     access: StorageAccess = StorageAccess.HOST_STAGED
     supports_multi_buffer: bool = False
+    staged_read_piece_bytes: int = 0
 
     @abstractmethod
     def register_buffer(self, ptr: int, size: int) -> None: ...

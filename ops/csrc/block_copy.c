@@ -123,8 +123,10 @@ static void run_chunk(void *arg, size_t item)
 #endif
 }
 
+enum streaming { STREAM_NEVER, STREAM_IF_LARGE, STREAM_ALWAYS };
+
 /* Runs the segments on the caller and up to num_threads - 1 pool workers; call without the GIL. */
-static int run_segments(const segment_t *segs, size_t nsegs, int num_threads, int allow_streaming)
+static int run_segments(const segment_t *segs, size_t nsegs, int num_threads, enum streaming streaming)
 {
     if (nsegs == 0)
         return 0;
@@ -158,7 +160,8 @@ static int run_segments(const segment_t *segs, size_t nsegs, int num_threads, in
         if (chunk < MIN_CHUNK_BYTES)
             chunk = MIN_CHUNK_BYTES;
     }
-    work_t work = {segs, nsegs, prefix, total, chunk, allow_streaming && total >= STREAMING_MIN_TOTAL};
+    work_t work = {segs, nsegs, prefix, total, chunk,
+                   streaming == STREAM_ALWAYS || (streaming == STREAM_IF_LARGE && total >= STREAMING_MIN_TOTAL)};
     copy_pool_run(run_chunk, &work, (total + chunk - 1) / chunk, threads - 1);
     free(prefix);
     return 0;
@@ -282,20 +285,22 @@ static int check_unique(const int64_t *ids, Py_ssize_t n, int64_t cap, const cha
 PyDoc_STRVAR(copy_blocks_doc,
 "copy_blocks(src_bases, src_caps, src_stride, src_ids, src_name,\n"
 "            dst_bases, dst_caps, dst_stride, dst_ids, dst_name,\n"
-"            block_bytes, num_threads) -> int\n\n"
+"            block_bytes, num_threads, bulk=0) -> int\n\n"
 "Copy block src_ids[i] to dst_ids[i] in every layer; returns the number of\n"
 "memcpy segments after merging consecutive runs.  bases/caps/ids are int64\n"
-"buffers; a block of layer l starts at bases[l] + id * stride.");
+"buffers; a block of layer l starts at bases[l] + id * stride.  bulk: this\n"
+"call is one piece of a transfer far larger than the caches, so its stores\n"
+"stream past them whatever the piece's own size.");
 
 static PyObject *py_copy_blocks(PyObject *self, PyObject *args)
 {
     PyObject *src_bases, *src_caps, *src_ids, *dst_bases, *dst_caps, *dst_ids;
     long long src_stride, dst_stride, block_bytes;
     const char *src_name, *dst_name;
-    int num_threads;
-    if (!PyArg_ParseTuple(args, "OOLOsOOLOsLi", &src_bases, &src_caps, &src_stride, &src_ids,
+    int num_threads, bulk = 0;
+    if (!PyArg_ParseTuple(args, "OOLOsOOLOsLi|p", &src_bases, &src_caps, &src_stride, &src_ids,
                           &src_name, &dst_bases, &dst_caps, &dst_stride, &dst_ids, &dst_name,
-                          &block_bytes, &num_threads))
+                          &block_bytes, &num_threads, &bulk))
         return NULL;
 
     side_bufs_t src = {0}, dst = {0};
@@ -359,7 +364,7 @@ static PyObject *py_copy_blocks(PyObject *self, PyObject *args)
 
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = run_segments(segs, nsegs, num_threads, 1);
+    rc = run_segments(segs, nsegs, num_threads, bulk ? STREAM_ALWAYS : STREAM_IF_LARGE);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         PyErr_NoMemory();
@@ -387,7 +392,7 @@ static PyObject *py_copy_contiguous(PyObject *self, PyObject *args)
     segment_t seg = {(char *)(uintptr_t)dst, (const char *)(uintptr_t)src, (size_t)nbytes};
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = run_segments(&seg, 1, num_threads, 0); /* the floor of the benchmarks: plain memcpy */
+    rc = run_segments(&seg, 1, num_threads, STREAM_NEVER); /* the floor of the benchmarks: plain memcpy */
     Py_END_ALLOW_THREADS
     if (rc < 0)
         return PyErr_NoMemory();
