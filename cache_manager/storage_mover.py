@@ -15,9 +15,10 @@ move the bytes, chosen from what the platform and the backend say they can do:
   nor store bytes the engine wrote after the task (it stores the snapshot taken while the
   task was live, under the key those bytes belong to).  A backend that reads by CPU copies
   (``staged_read_piece_bytes``, the file store), on a platform whose copies cannot stall,
-  is read in pieces instead: the I/O thread reads a piece into the first staging slots and
-  scatters it while it is still in the CPU cache, under a ``ScatterLease`` that the task
-  revokes before it answers, so nothing reaches a device block once the task has answered.
+  is read in pieces when a chunk spans several: the I/O thread reads a piece into the first
+  staging slots and scatters it while it is still in the CPU cache, under a ``ScatterLease``
+  that the task revokes before it answers, so nothing reaches a device block once the task
+  has answered.
 * **direct** (``--storage_transfer direct``, backends with multi-buffer calls): the backend
   gathers/scatters a block's layers straight from/to the device caches.  A direct call that
   outlives its task still touches device blocks, so the rank answers in time (0 blocks)
@@ -319,7 +320,7 @@ class StorageMover:
         except StorageBusy as exc:
             self.log.error("storage %s not started: %s", what, exc)
             return _Chunk()
-        if self._piece_blocks:
+        if self._piece_blocks and len(gpu_ids) > self._piece_blocks:  # one piece would gain nothing
             return self._read_pieces(buf, keys, gpu_ids, deadline, what)
         ptrs, sizes = self._staged_batch(buf, len(gpu_ids))
 
