@@ -126,6 +126,7 @@ class CacheTransferService:
         extra_flags: dict[str, object] | None = None,
         extra_env: dict[str, str] | None = None,
         metrics_port: int | None = None,
+        record_latencies: bool = False,
     ):
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tp {tp!r} must be a positive integer")
@@ -170,7 +171,7 @@ class CacheTransferService:
         self.server: EngineCacheQueueServer | None = None
         self.procs: dict[int, RankProcess] = {}
         self._secret = wire.new_secret()
-        self.tracker = TaskTracker(tp)  # every task in flight, its future and its release
+        self.tracker = TaskTracker(tp, record_latencies)  # every task in flight, its future and its release
         self.metrics = CacheMetrics()  # counted from the ranks' results; served only with metrics_port
         self.metrics.attach(self.tracker, backend=storage_backend)
         if metrics_port is not None and not (isinstance(metrics_port, int) and 0 <= metrics_port < 65536):
@@ -371,6 +372,8 @@ class CacheTransferService:
 
     @property
     def latencies_ms(self) -> list[float]:
+        """Every completed task's latency, with ``record_latencies=True`` (replays, benchmarks);
+        empty otherwise, since it grows with every task."""
         return self.tracker.latencies_ms
 
     def unreleased_tasks(self) -> dict[str, list[int]]:

@@ -69,7 +69,7 @@ def aggregate(task: dict, results: dict[int, RankResult], tp: int) -> Any:
 
 
 class TaskTracker:
-    def __init__(self, tp: int):
+    def __init__(self, tp: int, record_latencies: bool = False):
         self.tp = tp
         self.lock = threading.Lock()
         self._pending: dict[str, Pending] = {}
@@ -78,8 +78,13 @@ class TaskTracker:
         self._ids = itertools.count()
         self._closed = False
         self.observers: list[Observer] = []
-        self.latencies_ms: list[float] = []  # every completed task, submit to last rank's answer
-        self.task_intervals: list[tuple[float, float]] = []  # (submitted, completed), perf_counter seconds
+        # Every completed task's latency, submit to last rank's answer: for replays and benchmarks
+        # only (record_latencies), since the list grows with every task; an engine that runs for
+        # days gets its latencies from the metrics' histograms instead.
+        self.latencies_ms: list[float] = []
+        self._record_latencies = record_latencies
+        self._busy_total = 0.0  # seconds with a task pending, up to _busy_since
+        self._busy_since: float | None = None  # perf_counter when the pending set last became non-empty
 
     # ------------------------------------------------------------------ submission
     def new_task_id(self) -> str:
@@ -106,6 +111,7 @@ class TaskTracker:
                 future = new_future()
                 self._pending[task["task_id"]] = Pending(task, future, now + timeout + grace, timeout + grace,
                                                          set(range(self.tp)))
+                self._busy_locked()
                 return task, future, True
         future = new_future(released=True)
         future.set_exception(RankDiedError(task["task_id"], *down))
@@ -135,13 +141,14 @@ class TaskTracker:
             if len(pending.results) < self.tp:
                 return
             del self._pending[result.task_id]
+            self._busy_locked()
             if pending.unreleased:
                 self._unreleased[result.task_id] = pending
         if not pending.unreleased:
             pending.future.released.set_result(None)
         now = time.perf_counter()
-        self.latencies_ms.append((now - pending.submitted) * 1e3)
-        self.task_intervals.append((pending.submitted, now))
+        if self._record_latencies:
+            self.latencies_ms.append((now - pending.submitted) * 1e3)
         pending.future.rank_results = dict(sorted(pending.results.items()))  # type: ignore[attr-defined]
         failures = {r: res.error or "failed" for r, res in pending.results.items() if not res.ok}
         if failures:
@@ -162,6 +169,7 @@ class TaskTracker:
     def fail(self, task_id: str, error: Exception, outcome: str = "failed") -> None:
         with self.lock:
             pending = self._pending.pop(task_id, None)
+            self._busy_locked()
             if pending is not None and pending.unreleased:
                 self._unreleased[task_id] = pending
         if pending is not None:
@@ -177,6 +185,7 @@ class TaskTracker:
             for tid, p in expired:
                 del self._pending[tid]
                 self._unreleased[tid] = p  # every rank that has not answered may still act on it
+            self._busy_locked()
         for tid, p in expired:
             missing = sorted(set(range(self.tp)) - set(p.results))
             p.future.rank_results = dict(sorted(p.results.items()))
@@ -190,6 +199,7 @@ class TaskTracker:
             self._dead[rank] = detail
             failed = list(self._pending.items())
             self._pending.clear()
+            self._busy_locked()
             for task_id, pending in failed:
                 pending.unreleased.discard(rank)
                 if pending.unreleased:  # the live ranks may still be working on it
@@ -236,6 +246,7 @@ class TaskTracker:
             self._closed = True
             pending = list(self._pending.values())
             self._pending.clear()
+            self._busy_locked()
             unreleased = list(self._unreleased.values())
             self._unreleased.clear()
         for p in pending:
@@ -260,14 +271,19 @@ class TaskTracker:
             return sum(1 for p in self._pending.values() if not p.results)
 
     def busy_seconds(self) -> float:
-        """Wall time during which at least one task was in flight (overlapping tasks count once)."""
-        total, end = 0.0, float("-inf")
-        for start, stop in sorted(self.task_intervals):
-            if stop <= end:
-                continue
-            total += stop - max(start, end)
-            end = stop
-        return total
+        """Wall time during which at least one task was in flight (overlapping tasks count once),
+        kept as a running sum: nothing per task is kept for it."""
+        with self.lock:
+            since = self._busy_since
+            return self._busy_total + (time.perf_counter() - since if since is not None else 0.0)
+
+    def _busy_locked(self) -> None:
+        """After the pending set changed (under the lock): start or stop the busy clock."""
+        if self._pending and self._busy_since is None:
+            self._busy_since = time.perf_counter()
+        elif not self._pending and self._busy_since is not None:
+            self._busy_total += time.perf_counter() - self._busy_since
+            self._busy_since = None
 
     def _notify(self, task: dict, outcome: str, seconds: float, results: dict) -> None:
         for observer in self.observers:

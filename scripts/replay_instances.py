@@ -164,7 +164,7 @@ def child_main(fd: int, parent: int) -> int:
         svc = CacheTransferService(cfg["spec"], tp=cfg["tp"], num_cpu_blocks=cfg["host_blocks"],
                                    storage_backend="mooncake", storage_options=cfg["storage_options"],
                                    model_id=cfg["model_id"], max_model_len=cfg["max_model_len"],
-                                   task_timeout=cfg["task_timeout"], log_dir=cfg["log_dir"])
+                                   task_timeout=cfg["task_timeout"], log_dir=cfg["log_dir"], record_latencies=True)
         svc.start()
         cache = TieredPrefixCache(svc, cfg["device_blocks"], cfg["host_blocks"], write_policy=cfg["write_policy"],
                                   write_threshold=cfg["write_threshold"], task_timeout=cfg["task_timeout"])

@@ -234,7 +234,7 @@ def run_with_storage(args: argparse.Namespace, spec: CacheSpec, requests: list[R
                                   storage_backend="none" if args.storage == "none" else args.storage,
                                   storage_options=storage_options, model_id=f"replay/{source}",
                                   max_model_len=max_model_len, task_timeout=args.task_timeout,
-                                  log_dir=log_dir, metrics_port=args.metrics_port) as svc:
+                                  log_dir=log_dir, metrics_port=args.metrics_port, record_latencies=True) as svc:
             if reaper is not None:
                 for pid in svc.pids().values():  # a CTM that outlives a killed replay may still write there
                     reaper.watch(pid)

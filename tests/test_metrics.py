@@ -216,3 +216,61 @@ def test_real_tracker_outcomes_are_counted(metrics):
     assert snap["tasks_total"]["swap_to_gpu"]["rank_died"] == 1
     assert snap["tasks_total"]["control"]["closed"] == 1
     assert sum(snap["latency_count"].values()) == 3  # rank_died and closed are not timed
+
+
+def _swap_task():
+    return {"event_type": int(CacheStatus.SWAP2CPU), "swap_node_ids": [], "gpu_block_ids": [1], "cpu_block_ids": [2]}
+
+
+def _complete(tracker, task_id):
+    for rank in range(tracker.tp):
+        tracker.on_result(RankResult(task_id, rank, True))
+
+
+def test_tracker_keeps_nothing_per_completed_task():
+    """An engine runs for days: what the tracker keeps must not grow with the tasks it has seen."""
+    import gc
+    import tracemalloc
+
+    tracker = TaskTracker(tp=2)
+    for _ in range(200):  # warm up whatever is allocated once
+        t, f, _ = tracker.begin(_swap_task(), timeout=10)
+        _complete(tracker, t["task_id"])
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(20000):
+            t, f, _ = tracker.begin(_swap_task(), timeout=10)
+            _complete(tracker, t["task_id"])
+            assert f.result(0)[0] == CacheStatus.SWAP2CPU
+        del t, f
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 64 << 10, f"the tracker grew by {grown} bytes over 20,000 tasks"
+    assert tracker.latencies_ms == [] and tracker.in_flight() == 0
+
+
+def test_tracker_busy_time_counts_overlaps_once_and_no_idle_gap():
+    tracker = TaskTracker(tp=1, record_latencies=True)
+    t0 = time.perf_counter()
+    a, _, _ = tracker.begin(_swap_task(), timeout=10)
+    b, _, _ = tracker.begin(_swap_task(), timeout=10)  # overlaps a
+    time.sleep(0.05)
+    _complete(tracker, a["task_id"])
+    time.sleep(0.05)
+    _complete(tracker, b["task_id"])
+    idle_from = time.perf_counter()
+    time.sleep(0.2)  # nothing in flight
+    idle = time.perf_counter() - idle_from
+    c, _, _ = tracker.begin(_swap_task(), timeout=10)
+    time.sleep(0.05)
+    assert tracker.busy_seconds() >= 0.15  # a task still in flight counts up to now
+    tracker.fail(c["task_id"], RuntimeError("boom"))
+    busy = tracker.busy_seconds()
+    assert 0.15 <= busy <= time.perf_counter() - t0 - idle, busy
+    assert len(tracker.latencies_ms) == 2  # recorded on request: a and b completed, c failed
+    time.sleep(0.05)
+    assert tracker.busy_seconds() == busy  # idle again: the clock stands still
