@@ -4,6 +4,7 @@ batch, mixed sizes, damage in the middle of a big batch, batches that leave the 
 import ctypes
 import gc
 import hashlib
+import importlib
 import os
 import random
 import zlib
@@ -120,6 +121,9 @@ def test_checksums_direct_and_through_python_equal_xxh3():
     assert fr.checksums(xxhash.xxh3_64_intdigest, ptrs, sizes, True) == want
     assert checksums_at(ptrs, sizes) == want
     assert XXH3_DIRECT                                     # the wheel exports it; a fallback still passes above
+    xxh_lib = ctypes.CDLL(importlib.import_module(xxhash.xxh3_64_intdigest.__module__).__file__)
+    if hasattr(xxh_lib, "XXH3_64bits_withSeed_dispatch"):  # AVX2 / AVX-512 picked at run time, not SSE2
+        assert file_checksums.XXH3_BOUND == "XXH3_64bits_withSeed_dispatch"
     try:
         assert fr.bind_xxh3(None) is False                 # unbound: every checksum through xxhash's Python call
         assert checksums_at(ptrs, sizes) == want
@@ -127,7 +131,7 @@ def test_checksums_direct_and_through_python_equal_xxh3():
             fr.read_and_sum(0, 0, bytearray(HEADER_SIZE), ptrs[1:2], sizes[1:2], 1 << 20)
         assert fr.bind_xxh3("/nonexistent/lib.so") is False
     finally:
-        assert file_checksums._bind_xxh3()
+        assert file_checksums._bind_xxh3() == file_checksums.XXH3_BOUND
 
 
 # ------------------------------------------------------------------------------------ vectored I/O

@@ -30,28 +30,32 @@ CHUNK_MAX = 8 << 20                   # and at most this (or an eighth of the ba
 _XXH3 = xxhash.xxh3_64_intdigest
 
 
-def _bind_xxh3() -> bool:
-    """The xxhash wheel's extension exports XXH3_64bits_withSeed, the function xxh3_64_intdigest
-    calls: bound, the checksums of a batch are one C loop with the GIL let go (else one Python
-    call each).  Kept only if it gives xxh3_64_intdigest's answers on a probe, so that another
-    build of xxhash can cost speed, never a wrong checksum."""
+def _bind_xxh3() -> str | None:
+    """The xxhash wheel's extension exports XXH3_64bits_withSeed_dispatch, which picks AVX2 or
+    AVX-512 at run time (twice the speed of the SSE2 XXH3_64bits_withSeed, its fallback): bound,
+    the checksums of a batch are one C loop with the GIL let go (else one Python call each).
+    Kept only if it gives xxh3_64_intdigest's answers on a probe, so that another build of
+    xxhash can cost speed, never a wrong checksum.  Returns the name of the function bound."""
     try:
         path = importlib.import_module(xxhash.xxh3_64_intdigest.__module__).__file__
     except (ImportError, AttributeError, TypeError):
-        return False
-    if not path or not _file_records.bind_xxh3(path):
-        return False
+        return None
+    bound = _file_records.bind_xxh3(path) if path else False
+    if not bound:
+        return None
     probe = bytes(range(256)) * 5
     buf = ctypes.create_string_buffer(probe, len(probe))
     sizes = [0, 1, 3, 16, 17, 128, 129, 240, 241, 1024, len(probe)]
     ptrs = [ctypes.addressof(buf)] * len(sizes)
     if _file_records.checksums(_XXH3, ptrs, sizes) != [_XXH3(probe[:n]) & 0xFFFFFFFF for n in sizes]:
         logger.warning("file store: XXH3 from %s disagrees with xxhash; checksums go through Python", path)
-        return _file_records.bind_xxh3(None)
-    return True
+        _file_records.bind_xxh3(None)
+        return None
+    return bound
 
 
-XXH3_DIRECT = _bind_xxh3()
+XXH3_BOUND = _bind_xxh3()  # the C function the checksums call directly, or None (through Python)
+XXH3_DIRECT = XXH3_BOUND is not None
 
 
 def checksums_at(ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:

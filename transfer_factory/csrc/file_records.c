@@ -224,8 +224,8 @@ static PyMethodDef methods[] = {
      "checksums(fn, ptrs, sizes, via_python=False) -> list[int]: fn(view of each buffer) & 0xFFFFFFFF (XXH3 "
      "called directly when bind_xxh3 found it, unless via_python)."},
     {"bind_xxh3", fr_bind_xxh3, METH_O,
-     "bind_xxh3(path) -> bool: use XXH3_64bits_withSeed of the loaded library at path for checksums (None: "
-     "stop)."},
+     "bind_xxh3(path) -> str | False: use XXH3_64bits_withSeed_dispatch (else XXH3_64bits_withSeed) of the "
+     "loaded library at path for checksums; returns the name bound (None: stop, False)."},
     {"write_records", fr_write_records, METH_VARARGS,
      "write_records(fd, offset, headers, ptrs, sizes, counts) -> bytes written (all, or OSError)."},
     {"read_records", fr_read_records, METH_VARARGS,

@@ -19,7 +19,7 @@ int fr_as_u64s(PyObject *seq, const char *what, uint64_t **out, Py_ssize_t *n);
 /* Moves every iovec, resuming short transfers: bytes moved, or -1 with errno (file_records_io.c). */
 int64_t fr_move_all(int fd, struct iovec *iov, int niov, int64_t offset, int writing);
 
-/* XXH3_64bits_withSeed of the xxhash package's extension, once bind_xxh3 found it; else NULL. */
+/* XXH3_64bits_withSeed(_dispatch) of the xxhash package's extension, once bind_xxh3 found it; else NULL. */
 typedef uint64_t (*xxh3_fn)(const void *data, size_t len, uint64_t seed);
 extern xxh3_fn fr_xxh3_direct;
 
