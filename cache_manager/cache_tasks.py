@@ -85,8 +85,13 @@ def _layerwise(d: dict) -> LayerwiseRef | None:
         raise TaskFormatError(str(exc)) from None
 
 
+_PLAIN_INTS = {int}
+
+
 def _int_list(d: dict, key: str) -> list[int]:
     value = d.get(key)
+    if type(value) is list and set(map(type, value)) <= _PLAIN_INTS:
+        return value  # what msgpack decodes: checked without a Python step per id
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise TaskFormatError(f"task field {key!r} must be a list of integers, got {value!r:.80}")
     return value

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from itertools import chain, repeat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -459,7 +460,7 @@ class CacheTransferManager:
         submit = self.scheduler.submit
         if isinstance(task, SwapTask):
             kind = "swap_to_cpu" if task.event_type == CacheStatus.SWAP2CPU else "swap_to_gpu"
-            touched = [("gpu", g) for g in task.gpu_block_ids] + [("cpu", c) for c in task.cpu_block_ids]
+            touched = chain(zip(repeat("gpu"), task.gpu_block_ids), zip(repeat("cpu"), task.cpu_block_ids))
             inline = (self.platform.copies_cannot_stall and task.layerwise is None
                       and len(task.gpu_block_ids) * self._block_bytes_all_layers <= INLINE_SWAP_MAX_BYTES)
             submit(task.task_id, seq, kind, touched, deadline, lambda: self._swap(task, deadline), inline=inline)
@@ -467,7 +468,7 @@ class CacheTransferManager:
             submit(task.task_id, seq, "control", (), deadline, lambda: self._control(task))
         else:
             kind = "read_storage" if task.event_type == CacheStatus.STORAGE2GPU else "write_storage"
-            touched = [("gpu", g) for g in task.gpu_block_ids]
+            touched = zip(repeat("gpu"), task.gpu_block_ids)
             # A storage task that cannot run in time moved 0 blocks, as one whose store is down.
             submit(task.task_id, seq, kind, touched, deadline, lambda: self._storage(task, deadline), drop_value=[])
 

@@ -74,10 +74,12 @@ class TaskScheduler:
         entry = _Entry(task_id, seq, pool, fn, frozenset(resources), deadline, drop_value)
         with self._lock:
             self._active += 1
-            blockers = {self._last[r] for r in entry.resources if r in self._last}
-            blockers = {b for b in blockers if not b.done.done()}
-            for r in entry.resources:
-                self._last[r] = entry
+            # A load names a resource per block and slot (128 for 64 blocks): looked up and
+            # claimed with C-level map and update, not a Python step per resource.
+            earlier = set(map(self._last.get, entry.resources))
+            earlier.discard(None)
+            blockers = {b for b in earlier if not b.done.done()}
+            self._last.update(dict.fromkeys(entry.resources, entry))
             if inline and not blockers:
                 entry.state = "queued"
             else:

@@ -43,6 +43,7 @@ SECRET_FILE_ENV = "CTM_QUEUE_SECRET_FILE"
 
 _PREFIX = len(HEADER) + ENVELOPE.size
 _SCALARS = (type(None), bool, int, str, bytes)
+_SCALAR_TYPES = set(_SCALARS)
 
 
 class BadFrame(ValueError):
@@ -185,6 +186,11 @@ def check_plain(obj: object, max_depth: int = MAX_DEPTH, max_items: int = MAX_IT
             children = node.values()
         else:
             children = node
+            if set(map(type, node)) <= _SCALAR_TYPES:  # a list of ids or keys: no Python step per item
+                items += len(node)
+                if items > max_items:
+                    raise BadFrame(f"more than {max_items} items")
+                continue
         for value in children:
             items += 1
             kind = type(value)

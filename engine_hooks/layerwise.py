@@ -104,13 +104,27 @@ class _LayerWaiter:
                  task_id: str):
         self.board, self.ref, self.future = board, ref, future
         self.layers, self.deadline, self.task_id = layers, deadline, task_id
+        # A word of this task is seq << 24 | value: "layer l landed" is a plain comparison of the
+        # word, since words of other tasks lie below the base or above the failure mark.
+        self._base = pack(ref.seq, 0)
+        self._failed = pack(ref.seq, FAILED)
+        self._blocks: int | None = None  # blocks on every rank, once all published (never changes)
 
     def _raise_if_failed(self) -> None:
         if self.future.done() and self.future.exception() is not None:
             raise self.future.exception()
 
     def _landed(self, layer: int) -> bool:
+        """Called once per layer of every load, mostly for a layer already there: one read of the
+        slot's row and integer comparisons, no per-rank calls."""
         self._raise_if_failed()
+        wanted, failed = self._base + layer + 1, self._failed
+        for word in self.board.landed_row(self.ref.slot):
+            if word < wanted or word >= failed:
+                return self._landed_per_rank(layer)
+        return True
+
+    def _landed_per_rank(self, layer: int) -> bool:
         for rank in range(self.board.tp):
             value = unpack(self.board.landed(self.ref.slot, rank), self.ref.seq)
             if value == FAILED:
@@ -128,19 +142,22 @@ class _LayerWaiter:
     def wait(self, layer: int, timeout: float | None = None) -> int:
         """Blocks until ``layer`` is complete on every rank; returns the blocks it holds on all of them."""
         _check_layer(layer, self.layers)
-        deadline = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
-        try:
-            wait_until(lambda: self._landed(layer), deadline,
-                       f"task {self.task_id}: layer {layer} had not landed on every rank in time")
-        except TimeoutError as exc:
-            if isinstance(exc, CacheServiceError):
-                raise
-            self._raise_if_failed()
-            raise LayerWaitTimeout(str(exc)) from None
-        counts = [unpack(self.board.blocks(self.ref.slot, rank), self.ref.seq) for rank in range(self.board.tp)]
-        if any(c is None for c in counts):  # a rank publishes blocks before its first layer
-            raise CacheServiceError(f"task {self.task_id}: a rank published layers without its block count")
-        return min(counts)  # type: ignore[type-var]
+        if not self._landed(layer):
+            deadline = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
+            try:
+                wait_until(lambda: self._landed(layer), deadline,
+                           f"task {self.task_id}: layer {layer} had not landed on every rank in time")
+            except TimeoutError as exc:
+                if isinstance(exc, CacheServiceError):
+                    raise
+                self._raise_if_failed()
+                raise LayerWaitTimeout(str(exc)) from None
+        if self._blocks is None:
+            counts = [unpack(self.board.blocks(self.ref.slot, rank), self.ref.seq) for rank in range(self.board.tp)]
+            if any(c is None for c in counts):  # a rank publishes blocks before its first layer
+                raise CacheServiceError(f"task {self.task_id}: a rank published layers without its block count")
+            self._blocks = min(counts)  # type: ignore[type-var]
+        return self._blocks
 
     def computed(self, count: int) -> None:
         """The model has computed layers ``[0, count)`` (a layer-wise store copies them out)."""

@@ -81,8 +81,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+_PLAIN_INTS = {int}
+
+
 def _id_list(ids: Any, what: str) -> list[int]:
     """Block ids as plain ints for the wire; a float or other non-integer is refused here."""
+    if type(ids) is list and set(map(type, ids)) <= _PLAIN_INTS:
+        return list(ids)  # the common case, checked without a Python step per id (bool is not int here)
     if isinstance(ids, np.ndarray):
         if ids.dtype.kind not in "iu":
             raise ValueError(f"{what} must hold integers, got dtype {ids.dtype}")

@@ -99,6 +99,8 @@ def test_bad_block_ids_fail_the_task_and_change_nothing(svc):
         svc.swap_to_cpu([2, 3], [1]).result(timeout=20)
     with pytest.raises(ValueError, match="block id 1.5 is not an integer"):
         svc.swap_to_cpu([1.5], [0])
+    with pytest.raises(ValueError, match="block id True is not an integer"):
+        svc.swap_to_cpu([2, True], [0, 1])  # a bool is an int to Python, never a block id
     for key, view in v.items():
         assert np.array_equal(view, device_before[key]), "a refused task changed device bytes"
     svc.swap_to_gpu([5, 6], [0, 1]).result(timeout=20)  # the host canaries are intact, and the CTMs still serve
@@ -111,6 +113,9 @@ def test_unknown_or_malformed_tasks_fail_with_a_clear_error(svc):
         svc.submit({"event_type": 42}).result(timeout=20)
     with pytest.raises(TaskFailedError, match="'gpu_block_ids' must be a list of integers"):
         svc.submit({"event_type": 1, "swap_node_ids": [], "gpu_block_ids": "0,1", "cpu_block_ids": [0]}).result(20)
+    for bad in ([0, True], [0, "1"], [0, [1]], [0, 1.0]):  # submit() sends them as given: the ranks refuse them
+        with pytest.raises(TaskFailedError, match="'cpu_block_ids' must be a list of integers"):
+            svc.submit({"event_type": 1, "swap_node_ids": [], "gpu_block_ids": [0, 1], "cpu_block_ids": bad}).result(20)
     with pytest.raises(TaskFailedError, match="unknown control command 'reboot'"):
         svc.control("reboot").result(timeout=20)
     assert [r["rank"] for r in svc.control("ping").result(timeout=20)] == [0, 1]
