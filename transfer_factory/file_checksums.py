@@ -6,7 +6,7 @@ zlib lets go of the GIL; XXH3 is faster than that hand-off, so every checksum is
 calling thread.  ``checksums_at`` checksums many single-buffer objects in one call: a C loop over
 XXH3 bound from xxhash's own library, the GIL let go (``XXH3_DIRECT``), else one call of
 ``xxh3_64_intdigest`` per object from C (at 16 KiB a Python call per object cost half as much as
-hashing it); ``Checksummer`` keeps the calls the multi-buffer paths make.
+hashing it); the multi-buffer paths call ``payload_checksum`` per object.
 """
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ import importlib
 import logging
 from bisect import bisect_left
 from itertools import accumulate
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import xxhash
 
 from . import _file_records
-from .file_segments import payload_checksum
 
 logger = logging.getLogger("transfer_factory.file_store")
 
@@ -63,10 +62,6 @@ def checksums_at(ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
     return _file_records.checksums(_XXH3, ptrs, sizes)
 
 
-def crcs_of(view_lists) -> list[int]:
-    return [payload_checksum(views) for views in view_lists]
-
-
 def chunked(sizes: Iterable[int]) -> list[tuple[int, int]]:
     """[start, end) index ranges cutting objects of ``sizes`` bytes into chunks (a chunk ends with
     the object that takes it to the target size)."""
@@ -81,17 +76,3 @@ def chunked(sizes: Iterable[int]) -> list[tuple[int, int]]:
         out.append((start, end))
         start, base = end, ends[end - 1]
     return out
-
-
-class Checksummer:
-    def close(self) -> None:
-        """Nothing to stop: no thread computes checksums."""
-
-    def all(self, view_lists) -> list[int]:
-        """The checksum of each object (its views in order)."""
-        return crcs_of(view_lists)
-
-    def stream(self, view_lists, ranges: list[tuple[int, int]]) -> Iterator[list[int]]:
-        """The checksums of each range of objects in turn."""
-        for a, b in ranges:
-            yield crcs_of(view_lists[a:b])

@@ -101,7 +101,6 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from ._file_records import key_groups, note_blocks
-from .file_checksums import Checksummer
 from .file_index import IndexMixin
 from .file_segments import DEAD, HEADER_SIZE, LIVE, Entry, Segment
 from .file_space import SpaceMixin
@@ -197,7 +196,6 @@ class FileStore(WriteMixin, ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
         self._disk = 0                        # bytes of all segments this instance knows
         self._last_refresh = 0.0
         self._closed = False
-        self._checksums = Checksummer()
         self._views = Views()
         self._open()
         logger.info("file store %s: %d objects in %d segments, %d of %d bytes used (%d on disk), segment size %d, "
@@ -338,6 +336,5 @@ class FileStore(WriteMixin, ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
             self._bury()
             with self._lock:
                 self._reset()
-        self._checksums.close()
 
     _digest = staticmethod(functools.lru_cache(maxsize=1 << 16)(_key_digest))
