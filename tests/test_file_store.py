@@ -587,6 +587,9 @@ def test_a_store_left_readable_by_an_older_version_is_made_private(tmp_path):
     ({"capacity_bytes": "lots"}, "capacity_bytes"),
     ({"fsync": "maybe"}, "fsync"),
     ({"fsync": 2}, "fsync"),
+    ({"read_piece_bytes": -1}, "read_piece_bytes -1"),
+    ({"read_piece_bytes": True}, "read_piece_bytes True"),
+    ({"read_piece_bytes": "4M"}, "read_piece_bytes '4M'"),
     ({"capcity_bytes": 10}, "capcity_bytes"),
 ])
 def test_bad_options_name_the_option(tmp_path, options, name):
@@ -617,7 +620,7 @@ def test_defaults_and_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     with FileStore(namespace=NS, rank=3, options={}) as s:
         assert s.directory == tmp_path / "home/.cache/cache-transfer-manager/kv" / NS / "rank3"
-        assert s.capacity_bytes == 64 << 30 and s.fsync is True
+        assert s.capacity_bytes == 64 << 30 and s.fsync is True and s.staged_read_piece_bytes == 4 << 20
     monkeypatch.setenv("FILE_BACKEND_STORAGE_DIR", str(tmp_path / "fastdeploy"))  # FastDeploy's variable
     with FileStore(namespace=NS, rank=1, options={}) as s:
         assert s.directory == tmp_path / "fastdeploy" / NS / "rank1"

@@ -105,7 +105,7 @@ from .file_index import IndexMixin
 from .file_segments import DEAD, HEADER_SIZE, LIVE, Entry, Segment
 from .file_space import SpaceMixin
 from .file_store_io import (
-    DEFAULT_CAPACITY, DEFAULT_READ_PIECE_BYTES, DEFAULT_ROOT, DIR_MODE, ENV_CAPACITY, ENV_ROOT, OPTIONS, Views, makedirs_private,
+    DEFAULT_CAPACITY, DEFAULT_ROOT, DIR_MODE, ENV_CAPACITY, ENV_ROOT, OPTIONS, Views, makedirs_private,
     resolve_options, tighten, valid_ptr, valid_size,
 )
 from .file_store_read import ReadMixin
@@ -152,12 +152,7 @@ class FileStore(WriteMixin, ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise StorageConfigError(f"file store rank {rank!r} must be a non-negative integer")
 
-        root, root_source, self.capacity_bytes, self.fsync = resolve_options(options)
-        piece = options.get("read_piece_bytes", DEFAULT_READ_PIECE_BYTES)
-        if not isinstance(piece, int) or isinstance(piece, bool) or piece < 0:
-            raise StorageConfigError(f"file store option read_piece_bytes {piece!r} must be a non-negative integer "
-                                     f"(0: a staged read is one call per chunk)")
-        self.staged_read_piece_bytes = piece
+        root, root_source, self.capacity_bytes, self.fsync, self.staged_read_piece_bytes = resolve_options(options)
         self.namespace = namespace
         self.rank = rank
         self.root = Path(root)

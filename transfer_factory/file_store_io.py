@@ -206,9 +206,9 @@ def parse_capacity(value: Any, source: str) -> int:
     return value
 
 
-def resolve_options(options: Mapping[str, Any]) -> tuple[str, str, int, bool]:
-    """(root, where the root came from, capacity_bytes, fsync) from the options, then the
-    environment, then the defaults; a bad value raises ``StorageConfigError`` naming it."""
+def resolve_options(options: Mapping[str, Any]) -> tuple[str, str, int, bool, int]:
+    """(root, where the root came from, capacity_bytes, fsync, read_piece_bytes) from the options,
+    then the environment, then the defaults; a bad value raises ``StorageConfigError`` naming it."""
     if "root" in options:
         root, root_source = options["root"], "option root"
     elif os.environ.get(ENV_ROOT):
@@ -226,4 +226,8 @@ def resolve_options(options: Mapping[str, Any]) -> tuple[str, str, int, bool]:
     else:
         capacity = DEFAULT_CAPACITY
     fsync = parse_bool("file store option fsync", options.get("fsync", True))
-    return os.path.expanduser(os.fspath(root)), root_source, capacity, fsync
+    piece = options.get("read_piece_bytes", DEFAULT_READ_PIECE_BYTES)
+    if not isinstance(piece, int) or isinstance(piece, bool) or piece < 0:
+        raise StorageConfigError(f"file store option read_piece_bytes {piece!r} must be a non-negative integer "
+                                 f"(0: a staged read is one call per chunk)")
+    return os.path.expanduser(os.fspath(root)), root_source, capacity, fsync, piece
