@@ -88,10 +88,16 @@ def _layerwise(d: dict) -> LayerwiseRef | None:
 _PLAIN_INTS = {int}
 
 
+def plain_int_list(value: Any) -> bool:
+    """Whether ``value`` is a list of plain ints (a bool is not one), checked without a Python
+    step per item: the common case of every block id list, on the engine's and the rank's side."""
+    return type(value) is list and set(map(type, value)) <= _PLAIN_INTS
+
+
 def _int_list(d: dict, key: str) -> list[int]:
     value = d.get(key)
-    if type(value) is list and set(map(type, value)) <= _PLAIN_INTS:
-        return value  # what msgpack decodes: checked without a Python step per id
+    if plain_int_list(value):
+        return value  # what msgpack decodes
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise TaskFormatError(f"task field {key!r} must be a list of integers, got {value!r:.80}")
     return value

@@ -57,6 +57,7 @@ from cache_manager.cache_data import (
     CacheStatus,
     KVCacheStatus,
 )
+from cache_manager.cache_tasks import plain_int_list
 from cache_manager.engine_cache_queue import EngineCacheQueueServer
 from cache_manager.ipc_signal import IPCSignal
 
@@ -81,13 +82,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-_PLAIN_INTS = {int}
-
-
 def _id_list(ids: Any, what: str) -> list[int]:
     """Block ids as plain ints for the wire; a float or other non-integer is refused here."""
-    if type(ids) is list and set(map(type, ids)) <= _PLAIN_INTS:
-        return list(ids)  # the common case, checked without a Python step per id (bool is not int here)
+    if plain_int_list(ids):
+        return list(ids)
     if isinstance(ids, np.ndarray):
         if ids.dtype.kind not in "iu":
             raise ValueError(f"{what} must hold integers, got dtype {ids.dtype}")
