@@ -33,8 +33,8 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from itertools import chain, repeat
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import Any
 
 import numpy as np

@@ -40,10 +40,13 @@ def socket_options(sock: zmq.Socket, rcvhwm: int, sndhwm: int = 0) -> None:
     sock.setsockopt(zmq.SNDHWM, sndhwm)
 
 
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum arithmetic costs a call each
+
+
 def readable(sock: zmq.Socket) -> bool:
     """Whether a frame waits on ``sock``: asking costs far less than a receive that raises
     ``zmq.Again``, and every batch would otherwise end in one, on the round trip's path."""
-    return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
 
 
 def routing_id(label: str) -> bytes:
