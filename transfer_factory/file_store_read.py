@@ -87,16 +87,12 @@ class ReadMixin:
             found = self._select_all(digests, ptr_lists, size_lists, multi)
             missing = found is None and not all(map(index.__contains__, filter(None, digests)))
             if not missing:
-                sel, segs, offs, lens, crcs = found[:5] if found else self._select(digests, ptr_lists, size_lists,
-                                                                                    multi, out)
-                pinned = self._pin_all(segs)
+                sel, segs, offs, lens, crcs, pinned = self._pinned(found, digests, ptr_lists, size_lists, multi, out)
         if missing:
             self._refresh()                               # maybe another process stored them
             with self._lock:
                 found = self._select_all(digests, ptr_lists, size_lists, multi)
-                sel, segs, offs, lens, crcs = found[:5] if found else self._select(digests, ptr_lists, size_lists,
-                                                                                    multi, out)
-                pinned = self._pin_all(segs)
+                sel, segs, offs, lens, crcs, pinned = self._pinned(found, digests, ptr_lists, size_lists, multi, out)
         try:
             if sel:
                 self._read_records(sel, segs, offs, lens, crcs, digests, ptr_lists, size_lists, multi, out,
@@ -109,13 +105,15 @@ class ReadMixin:
             self._note_blocks(digests, keys, [code > 0 for code in out])
         return out
 
-    def _pin_all(self, segs: list) -> set:
-        """Pins each distinct segment once (its fd stays this file's until unpinned); the caller
-        holds the lock."""
+    def _pinned(self, found, digests, ptr_lists, size_lists, multi, out) -> tuple:
+        """The records to read (``_select_all``'s ``found``, else looked up one by one) and their
+        segments, each distinct one pinned once (its fd stays this file's until unpinned), under
+        the same hold of the lock as the lookup: (sel, segs, offs, lens, crcs, pinned)."""
+        sel, segs, offs, lens, crcs = found[:5] if found else self._select(digests, ptr_lists, size_lists, multi, out)
         pinned = set(segs)
         for seg in pinned:
             seg.pins += 1
-        return pinned
+        return sel, segs, offs, lens, crcs, pinned
 
     def _select_all(self, digests, ptrs, sizes, multi) -> tuple | None:
         """The common batch looked up in bulk: every key stored, one valid buffer each, big
