@@ -164,13 +164,10 @@ class ReadMixin:
         buffer, payloads into the callers' buffers), then the piece's checks in bulk.  ``whole``:
         ``sel`` is every index of the batch in order."""
         count = len(sel)
-        if segs.count(segs[0]) == count:                  # one segment (Segment compares by identity)
-            in_order = all(map(operator.lt, offs, islice(offs, 1, None)))
-        else:
-            keys = [id(seg) << 64 | off for seg, off in zip(segs, offs)]
-            in_order = all(map(operator.lt, keys, islice(keys, 1, None)))
-        if not in_order:                                  # sort by segment and offset
-            order = sorted(range(count), key=list(map(_file_order, segs, offs)).__getitem__)
+        # File order: by offset within one segment (Segment compares by identity), else by both.
+        keys = offs if segs.count(segs[0]) == count else list(map(_file_order, segs, offs))
+        if not all(map(operator.lt, keys, islice(keys, 1, None))):
+            order = sorted(range(count), key=keys.__getitem__)
             sel, segs, offs, lens, crcs = ([x[j] for j in order] for x in (sel, segs, offs, lens, crcs))
             whole = False
         ds = digests if whole else [digests[i] for i in sel]
