@@ -71,6 +71,18 @@ def valid_size(size: Any) -> bool:
     return isinstance(size, int) and not isinstance(size, bool) and size >= 0
 
 
+def buffers_length(ptrs: Any, sizes: Any, multi: bool) -> int:
+    """An object's room (a read) or payload length (a write) from its buffers (with ``multi`` lists
+    of them, else one pointer and one size): -1 when they are not valid pointers and sizes."""
+    if not multi:
+        if type(ptrs) is int and ptrs > 0 and type(sizes) is int and sizes >= 0:
+            return sizes
+        return -1
+    if (not ptrs or len(ptrs) != len(sizes) or not all(map(valid_ptr, ptrs)) or not all(map(valid_size, sizes))):
+        return -1
+    return sum(sizes)
+
+
 def _advance(bufs: list, i: int, n: int) -> int:
     """Consumes ``n`` bytes of ``bufs`` from index ``i`` (trimming a partly done buffer in place);
     returns the index of the first buffer not done."""

@@ -18,7 +18,7 @@ from typing import Iterator, NamedTuple, Sequence
 from ._file_records import key_digests, pack_headers, parse_headers, read_and_sum, select_all
 from .file_checksums import XXH3_DIRECT, checksums_at
 from .file_segments import HEADER_SIZE, Entry, Segment, header_crc_of, payload_checksum
-from .file_store_io import read_records, valid_ptr, valid_size
+from .file_store_io import buffers_length, read_records
 from .kvcache_storage import BUFFER_TOO_SMALL, CORRUPT, INVALID, NOT_FOUND, UNAVAILABLE
 
 logger = logging.getLogger("transfer_factory.file_store")
@@ -134,15 +134,8 @@ class ReadMixin:
         crcs: list[int] = []
         get = self._index.get
         for i, d in enumerate(digests):
-            if multi:
-                ptrs, sizes = ptr_lists[i], size_lists[i]
-                ok = (ptrs and len(ptrs) == len(sizes) and all(map(valid_ptr, ptrs))
-                      and all(map(valid_size, sizes)))
-                room = sum(sizes) if ok else 0
-            else:
-                ptr, room = ptr_lists[i], size_lists[i]
-                ok = type(ptr) is int and ptr > 0 and type(room) is int and room >= 0
-            if d is None or not ok:
+            room = buffers_length(ptr_lists[i], size_lists[i], multi)
+            if d is None or room < 0:
                 out[i] = INVALID
                 continue
             e = get(d)

@@ -17,7 +17,7 @@ from .file_checksums import checksums_at, chunked
 from .file_segments import (
     DEAD, HEADER_SIZE, Entry, lock_shared, parse_header, payload_checksum, unlock, unpack_header,
 )
-from .file_store_io import valid_ptr, valid_size
+from .file_store_io import buffers_length
 from .keys import KINDS
 from .kvcache_storage import CODE_NAMES, INVALID, NO_SPACE, OK, UNAVAILABLE
 
@@ -54,7 +54,7 @@ class WriteMixin:
                 if group is not None and group in failed:
                     out[i] = failed[group]
                     continue
-                length = _length(ptr_lists[i], size_lists[i], multi)
+                length = buffers_length(ptr_lists[i], size_lists[i], multi)
                 total = HEADER_SIZE + length
                 if (length > 0 and d is not None and d not in index and d not in plan
                         and self._used + total <= capacity):
@@ -80,7 +80,7 @@ class WriteMixin:
                     if groups[i] is not None:
                         failed.setdefault(groups[i], code)
                 logger.warning("file store %s: cannot write %d objects (%d bytes): %s", self.directory, len(plan),
-                               sum(_length(ptr_lists[i], size_lists[i], multi) for i in plan.values()), err)
+                               sum(buffers_length(ptr_lists[i], size_lists[i], multi) for i in plan.values()), err)
                 with self._lock:
                     self._unplan_failed(digests, groups, out, failed, {}, ptr_lists, size_lists, multi, doomed)
         for d, e in doomed:
@@ -147,7 +147,7 @@ class WriteMixin:
             d = digests[i]
             if d in plan:
                 del plan[d]
-                released += HEADER_SIZE + _length(ptr_lists[i], size_lists[i], multi)
+                released += HEADER_SIZE + buffers_length(ptr_lists[i], size_lists[i], multi)
                 continue
             e = self._drop_entry_locked(d)
             if e is not None:
@@ -262,14 +262,3 @@ class WriteMixin:
         if len(raw) == HEADER_SIZE and unpack_header(raw) == e.fields(d):
             return True
         return False if parse_header(raw) is not None else None
-
-
-def _length(ptrs: Any, sizes: Any, multi: bool) -> int:
-    """An object's payload length from its buffers: -1 when they are not valid pointers and sizes."""
-    if not multi:
-        if type(ptrs) is int and ptrs > 0 and type(sizes) is int and sizes >= 0:
-            return sizes
-        return -1
-    if (not ptrs or len(ptrs) != len(sizes) or not all(map(valid_ptr, ptrs)) or not all(map(valid_size, sizes))):
-        return -1
-    return sum(sizes)
