@@ -6,7 +6,7 @@ zlib lets go of the GIL; XXH3 is faster than that hand-off, so every checksum is
 calling thread.  ``checksums_at`` checksums many single-buffer objects in one call: a C loop over
 XXH3 bound from xxhash's own library, the GIL let go (``XXH3_DIRECT``), else one call of
 ``xxh3_64_intdigest`` per object from C (at 16 KiB a Python call per object cost half as much as
-hashing it); the multi-buffer paths call ``payload_checksum`` per object.
+hashing it); ``buffers_checksum`` checksums one object of several buffers.
 """
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import importlib
 import logging
 from bisect import bisect_left
 from itertools import accumulate
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import xxhash
 
 from . import _file_records
+from .file_segments import payload_checksum
 
 logger = logging.getLogger("transfer_factory.file_store")
 
@@ -60,6 +61,12 @@ XXH3_DIRECT = XXH3_BOUND is not None
 def checksums_at(ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
     """``payload_checksum`` of each object that is one buffer of ``sizes[i]`` bytes at ``ptrs[i]``."""
     return _file_records.checksums(_XXH3, ptrs, sizes)
+
+
+def buffers_checksum(view_of: Callable[[int, int], memoryview], ptrs: Sequence[int], sizes: Sequence[int]) -> int:
+    """``payload_checksum`` of one object spread over buffers ``ptrs[i]`` of ``sizes[i]`` bytes
+    (``view_of(ptr, size)`` makes their views): the multi-buffer reads and writes."""
+    return payload_checksum([view_of(p, s) for p, s in zip(ptrs, sizes) if s])
 
 
 def chunked(sizes: Iterable[int]) -> list[tuple[int, int]]:

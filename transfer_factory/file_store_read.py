@@ -16,8 +16,8 @@ from itertools import accumulate, islice
 from typing import Iterator, NamedTuple, Sequence
 
 from ._file_records import key_digests, pack_headers, parse_headers, read_and_sum, select_all
-from .file_checksums import XXH3_DIRECT, checksums_at
-from .file_segments import HEADER_SIZE, Entry, Segment, header_crc_of, payload_checksum
+from .file_checksums import XXH3_DIRECT, buffers_checksum, checksums_at
+from .file_segments import HEADER_SIZE, Entry, Segment, header_crc_of
 from .file_store_io import buffers_length, read_records
 from .kvcache_storage import BUFFER_TOO_SMALL, CORRUPT, INVALID, NOT_FOUND, UNAVAILABLE
 
@@ -224,7 +224,7 @@ class ReadMixin:
             if firsts is None:
                 return checksums_at([ptrs[m]], [sizes[m]])[0]
             a, b = firsts[m], firsts[m + 1]
-            return payload_checksum([self._views(x, y) for x, y in zip(ptrs[a:b], sizes[a:b]) if y])
+            return buffers_checksum(self._views, ptrs[a:b], sizes[a:b])
 
         want = crcs[j:k]
         if got >= end:

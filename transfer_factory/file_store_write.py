@@ -13,9 +13,9 @@ from itertools import accumulate
 from typing import Any, Sequence
 
 from . import _file_records
-from .file_checksums import checksums_at, chunked
+from .file_checksums import buffers_checksum, checksums_at, chunked
 from .file_segments import (
-    DEAD, HEADER_SIZE, Entry, lock_shared, parse_header, payload_checksum, unlock, unpack_header,
+    DEAD, HEADER_SIZE, Entry, lock_shared, parse_header, unlock, unpack_header,
 )
 from .file_store_io import buffers_length
 from .keys import KINDS
@@ -191,8 +191,7 @@ class WriteMixin:
                     crcs = checksums_at(p, s)
                 else:
                     p, s, c = ptrs[firsts[a]:firsts[b]], sizes[firsts[a]:firsts[b]], counts[a:b]
-                    crcs = [payload_checksum([self._views(x, y) for x, y in zip(ptr_lists[i], size_lists[i]) if y])
-                            for i in order[a:b]]
+                    crcs = [buffers_checksum(self._views, ptr_lists[i], size_lists[i]) for i in order[a:b]]
                 chunk = (_file_records.pack_headers(digests[a:b], lengths[a:b], crcs), p, s, c, lengths[a:b], crcs)
                 made.append(chunk)
                 yield chunk
