@@ -68,6 +68,7 @@ from .storage_mover import TRANSFER_MODES, StorageMover, staging_blocks
 from .ipc_signal import IPCSignal, signal_segment_name
 from .layer_progress import LAYER_PROGRESS_SIGNAL
 from .layerwise_copy import RankLayerBoard, copy_layerwise, publishing
+from .swap_plans import SwapPlans
 
 CACHE_DTYPES = ("uint8", "bfloat16", "block_wise_fp8")
 # A swap this small takes a few microseconds of memcpy, less than handing it to a pool thread:
@@ -280,7 +281,7 @@ class CacheTransferManager:
         self._beat_stale_logged = False
         self.lifecycle = KvCacheLifecycle(self)  # RL weight updates: clear and restore the caches
         self.layer_board = RankLayerBoard(args.mp_num, args.engine_worker_queue_port, args.rank, log)
-        self._layer_plans: dict[int, list] = {}  # per-layer cuts of the swap plans, built on first use
+        self._swap_plans = SwapPlans()  # the kinds' swap plans merged, rebuilt when the plans change
 
     # -- start-up -------------------------------------------------------------
     def _attach_signal(self, name: str, shape: int) -> IPCSignal:
@@ -478,14 +479,15 @@ class CacheTransferManager:
             if self.args.num_cpu_blocks == 0:
                 raise ValueError("this CTM has no host swap space (--num_cpu_blocks 0)")
             mode = ops.DEVICE_TO_HOST if task.event_type == CacheStatus.SWAP2CPU else ops.HOST_TO_DEVICE
+            plans = [g.swap_plan for g in self.groups]
             if publisher is None:
-                for g in self.groups:
-                    self.platform.run_plan(g.swap_plan, task.gpu_block_ids, task.cpu_block_ids, mode)
+                for plan in self._swap_plans.whole(plans) if self.platform.merges_swap_plans else plans:
+                    self.platform.run_plan(plan, task.gpu_block_ids, task.cpu_block_ids, mode)
             else:
-                copy_layerwise(self.platform, [g.swap_plan for g in self.groups], task.gpu_block_ids,
+                copy_layerwise(self.platform, plans, task.gpu_block_ids,
                                task.cpu_block_ids, mode, publisher,
                                deadline if deadline is not None else time.monotonic() + 30.0,
-                               task.layerwise.await_compute, self.stop_event, self._layer_plans)
+                               task.layerwise.await_compute, self.stop_event, self._swap_plans)
         return Outcome(bytes_moved=len(task.gpu_block_ids) * self._block_bytes_all_layers)
 
     @functools.cached_property

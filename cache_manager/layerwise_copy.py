@@ -14,10 +14,11 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from ops.layout import CopyPlan, layer_range, merge_plans
+from ops.layout import CopyPlan
 
 from .ipc_signal import signal_segment_name
 from .layer_progress import LAYER_PROGRESS_SIGNAL, LayerBoard, LayerPublisher, LayerwiseRef
+from .swap_plans import SwapPlans
 
 
 class RankLayerBoard:
@@ -57,27 +58,11 @@ def publishing(publisher: LayerPublisher | None) -> Iterator[LayerPublisher | No
         raise
 
 
-def layer_plans(plans: Sequence[CopyPlan], cache: dict[tuple, list[list[CopyPlan]]]) -> list[list[CopyPlan]]:
-    """Per layer, the plans that copy that layer of every cache kind, built once per plan set.
-
-    Kinds whose blocks have the same size and strides on both sides (K and V, unless MLA or fp8
-    scales differ) share one plan per layer, so a layer costs one kernel call, not one per kind."""
-    key = tuple(id(p) for p in plans)
-    if key not in cache:
-        groups: dict[tuple, list[CopyPlan]] = {}
-        for p in plans:
-            groups.setdefault((p.block_bytes, p.device.stride, p.host.stride), []).append(p)
-        layers = len(plans[0].device.bases) if plans else 0
-        cache[key] = [[merge_plans([layer_range(p, layer, layer + 1) for p in same]) for same in groups.values()]
-                      for layer in range(layers)]
-    return cache[key]
-
-
 def copy_layerwise(platform: Any, plans: Sequence[CopyPlan], device_ids: Sequence[int], host_ids: Sequence[int],
                    mode: int, publisher: LayerPublisher, deadline: float, await_compute: bool,
-                   stop: threading.Event | None = None, plan_cache: dict | None = None) -> None:
+                   stop: threading.Event | None = None, swap_plans: SwapPlans | None = None) -> None:
     """Copy the blocks of every plan (one per cache kind), layer by layer, publishing each layer."""
-    per_layer = layer_plans(plans, {} if plan_cache is None else plan_cache)
+    per_layer = (swap_plans or SwapPlans()).per_layer(plans)
     publisher.set_blocks(len(device_ids))
     for layer, layer_plans_ in enumerate(per_layer):
         if await_compute:

@@ -322,6 +322,12 @@ class NpuPlatform(Platform):
             plans[key] = weakref.ref(plan, lambda _ref: plans.pop(key, None))
         return plan
 
+    @property
+    def merges_swap_plans(self) -> bool:  # type: ignore[override]
+        # LLM-DataDist copies only the plans plan_all_layers returned (registered); a merged plan
+        # would fall back to the pyACL copies.
+        return self.copy_engine != "llm_datadist"
+
     def _copier(self) -> Any:
         """The LLM-DataDist copier of this process's device, built on first use on the calling thread."""
         self.set_device(self.device_id)

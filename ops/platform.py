@@ -68,6 +68,9 @@ class Platform(ABC):
     # True where a block copy is a plain memcpy of host memory that cannot stall on a device:
     # the CTM then runs a small swap on its serve thread instead of handing it to a pool.
     copies_cannot_stall: bool = False
+    # True where one plan merged from several kinds' swap plans (``ops.layout.merge_plans``) copies
+    # as the kinds' own plans would: the CTM then makes one copy call per task, not one per kind.
+    merges_swap_plans: bool = True
 
     @property
     def segment_prefix(self) -> str:

@@ -57,6 +57,7 @@ def test_clear_and_restore_never_serve_kv_of_the_old_weights(storage, tmp_path, 
         old_keys = chain_hash_ids([f"old-{i}" for i in range(3)])
         assert svc.write_storage(old_keys, [0, 1, 2]).result(timeout=30) == [0, 1, 2]
         assert svc.swap_to_cpu([3], [0]).result(timeout=30)
+        assert svc.swap_to_gpu([4], [0], layerwise=True).result(timeout=30)  # the ranks cut per-layer plans now
         cache = TieredPrefixCache(svc, num_device_blocks=8, num_host_blocks=4, write_policy="write_through")
         cached = chain_hash_ids([f"cached-{i}" for i in range(3)])
         lease = cache.acquire(cached)
@@ -96,6 +97,12 @@ def test_clear_and_restore_never_serve_kv_of_the_old_weights(storage, tmp_path, 
         assert svc.swap_to_cpu([8], [1]).result(timeout=30)
         assert svc.swap_to_gpu([9], [1]).result(timeout=30)
         got = block_bytes(svc, [9])
+        assert all(np.array_equal(got[k], swapped[k]) for k in swapped)
+        # Layer-wise copies use plans cut from the rebuilt caches, not those cut before the clear.
+        loading = svc.swap_to_gpu([10], [1], layerwise=True)
+        loading.wait_for_layer(SMALL.num_layers - 1, timeout=30)
+        assert loading.result(timeout=30)
+        got = block_bytes(svc, [10])
         assert all(np.array_equal(got[k], swapped[k]) for k in swapped)
     finally:
         svc.shutdown()
