@@ -396,6 +396,31 @@ def test_bulk_pieces_stream_at_any_size_and_stay_exact():
             assert job.run(threads, marker=7 + i, bulk=True), f"{block_bytes} bytes per block, threads={threads}"
 
 
+def test_small_blocks_streamed_four_at_a_time_land_exact_across_chunks_and_alignments():
+    """Streamed copies of small blocks go four at a time, a line of each in turn.  Every block
+    lands bit-exact whether its group of four sits inside one thread's chunk or straddles two,
+    and whether the destination layer is 16-byte aligned (interleaved) or not (one at a time)."""
+    rng = np.random.default_rng(21)
+    layers, blocks, block_bytes = 4, 512, 4 << 10  # at least 4 MiB per copy: streamed stores
+    src = [rng.integers(0, 256, (blocks, block_bytes), dtype=np.uint8) for _ in range(layers)]
+    raw = [np.empty(blocks * block_bytes + 64, dtype=np.uint8) for _ in range(layers)]
+    for shift in (0, 8):  # every layer aligned, then two of them 8 bytes off
+        dst = []
+        for layer, buf in enumerate(raw):
+            start = (-buf.ctypes.data) % 64 + (shift if layer % 2 else 0)
+            dst.append(buf[start:start + blocks * block_bytes].reshape(blocks, block_bytes))
+        for threads in (1, 2, 3):
+            n = int(rng.integers(blocks // 2, blocks + 1)) - int(rng.integers(0, 4))  # groups of 4 and a tail
+            src_ids, dst_ids = rng.permutation(blocks)[:n], rng.permutation(blocks)[:n]
+            for d in dst:
+                d[:] = 0xA5
+            _kernel_copy(src, dst, src_ids, dst_ids, threads)
+            untouched = np.setdiff1d(np.arange(blocks), dst_ids)
+            for layer, (s, d) in enumerate(zip(src, dst)):
+                assert np.array_equal(d[dst_ids], s[src_ids]), f"layer {layer}, shift {shift}, threads {threads}"
+                assert (d[untouched] == 0xA5).all(), f"layer {layer}: a block outside the copy was written"
+
+
 def test_concurrent_callers_share_the_pool_and_each_copy_is_exact():
     """Python threads submit big, medium and small copies at once, none holding the GIL while
     it copies; each of them checks every byte of every copy it made."""
