@@ -76,6 +76,7 @@ CACHE_DTYPES = ("uint8", "bfloat16", "block_wise_fp8")
 # so the serve thread never stops polling for long.
 INLINE_SWAP_MAX_BYTES = 256 << 10
 IDLE_POLL_MS = 250  # an idle rank wakes this often to look at kv_cache_status and the engine
+DRAIN_POLL_MS = 10  # how often a clearing rank looks whether its tasks released their blocks
 EXIT_TIMEOUT_ENV = "FD_CACHE_PROC_EXIT_TIMEOUT"
 
 
@@ -438,6 +439,8 @@ class CacheTransferManager:
                 self._check_engine()
 
     def _poll_ms(self) -> int:
+        if self.lifecycle.draining:
+            return DRAIN_POLL_MS  # a clear waits for its tasks' releases, which come on other threads
         soonest = self.scheduler.next_deadline() if self.scheduler else None
         if soonest is None:
             return IDLE_POLL_MS

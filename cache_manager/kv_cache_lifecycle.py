@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from .cache_transfer_manager import CacheTransferManager
 
 SWAP_CLEARING_ENV = "FD_ENABLE_SWAP_SPACE_CLEARING"
-DRAIN_TIMEOUT = 60.0  # seconds a clear waits for the rank's tasks in flight (their deadlines come first)
+DRAIN_TIMEOUT = 60.0  # seconds of draining after which a rank logs the tasks that still hold its blocks
 
 
 def key_prefix_from_version(model_path: str) -> str:
@@ -71,7 +71,10 @@ def _enabled(name: str) -> bool:
 class KvCacheLifecycle:
     def __init__(self, ctm: "CacheTransferManager"):
         self.ctm = ctm
-        self.cleared = False
+        self.cleared = False  # refusing tasks: a clear began and no restore ended it
+        self.detached = False  # the caches are detached (a clear finished draining)
+        self._drain_started = 0.0
+        self._drain_overdue_logged = False
         self._swap_freed = False
         self._kept_host: dict[str, list[int]] = {}
 
@@ -89,13 +92,20 @@ class KvCacheLifecycle:
                     f"restore them first")
         return None
 
+    @property
+    def draining(self) -> bool:
+        """A clear began and waits for the rank's tasks to release their blocks."""
+        return self.cleared and not self.detached
+
     def step(self) -> None:
         status = self.status()
         if status == KVCacheStatus.CLEARING and not self.cleared:
-            self._clear()
-        if self.cleared and status == KVCacheStatus.CLEARING and self._all(CACHE_READY_SIGNAL, 0):
+            self._begin_clear()
+        if self.draining and status == KVCacheStatus.CLEARING:
+            self._finish_clear_when_drained()
+        if self.detached and status == KVCacheStatus.CLEARING and self._all(CACHE_READY_SIGNAL, 0):
             self._set_status(KVCacheStatus.CLEARED)
-        if status == KVCacheStatus.UPDATING and self.cleared:
+        if status == KVCacheStatus.UPDATING and self.detached:
             self._restore()
         if status == KVCacheStatus.UPDATING and not self.cleared and self._all(CACHE_TRANSFER_INITED_SIGNAL, 1):
             self._set_status(KVCacheStatus.NORMAL)
@@ -110,17 +120,25 @@ class KvCacheLifecycle:
             self.ctm.log.info("[RL] kv_cache_status -> %s", status.name)
 
     # ------------------------------------------------------------------ clear
-    def _clear(self) -> None:
-        ctm, log = self.ctm, self.ctm.log
-        log.info("[RL] clearing caches: refusing new tasks, draining %d in flight", ctm.scheduler.active())
+    def _begin_clear(self) -> None:
+        self.ctm.log.info("[RL] clearing caches: refusing new tasks, draining %d in flight", self.ctm.scheduler.active())
         self.cleared = True  # refusal() answers every task from here on
-        deadline = time.monotonic() + DRAIN_TIMEOUT
-        while ctm.scheduler.active() and time.monotonic() < deadline:
-            ctm.scheduler.expire_waiting()
-            ctm.stop_event.wait(0.01)
+        self._drain_started = time.monotonic()
+        self._drain_overdue_logged = False
+
+    def _finish_clear_when_drained(self) -> None:
+        """Detach once no task holds a block.  A task whose I/O outlived its deadline still holds
+        its blocks (it may yet write them): the caches stay attached, however long that takes, so
+        the engine never frees memory an I/O can still touch.  The engine's clear fails at its
+        own timeout naming this rank; restarting the rank ends the I/O."""
+        ctm, log = self.ctm, self.ctm.log
         if ctm.scheduler.active():
-            log.error("[RL] %d tasks still hold their blocks after %.0fs; detaching anyway",
-                      ctm.scheduler.active(), DRAIN_TIMEOUT)
+            if not self._drain_overdue_logged and time.monotonic() - self._drain_started > DRAIN_TIMEOUT:
+                self._drain_overdue_logged = True
+                log.error("[RL] %d tasks still hold their blocks after %.0fs; the caches stay attached until "
+                          "they release them (restart this rank to end their I/O)", ctm.scheduler.active(),
+                          DRAIN_TIMEOUT)
+            return
         if ctm.storage is not None:
             ctm.storage.close()
             ctm.storage = None
@@ -135,6 +153,7 @@ class KvCacheLifecycle:
         else:
             self._kept_host = {g.kind: g.host_ptrs for g in ctm.groups}
         self._detach()
+        self.detached = True
         ctm.signals[CACHE_TRANSFER_INITED_SIGNAL].value[rank] = 0
         ctm.signals[CACHE_READY_SIGNAL].value[rank] = 0
         log.info("[RL] rank %d cleared: caches detached%s", rank, ", swap space freed" if self._swap_freed else "")
@@ -173,7 +192,7 @@ class KvCacheLifecycle:
             self._detach()
             ctm.stop_event.wait(0.5)  # the status stays UPDATING; the engine's restore names this rank
             return
-        self.cleared, self._swap_freed, self._kept_host = False, False, {}
+        self.cleared, self.detached, self._swap_freed, self._kept_host = False, False, False, {}
         ctm.signals[SWAP_SPACE_READY_SIGNAL].value[rank] = 1
         ctm.signals[CACHE_TRANSFER_INITED_SIGNAL].value[rank] = 1
         log.info("[RL] rank %d restored (namespace %s)", rank, ctm.namespace())

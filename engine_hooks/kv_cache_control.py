@@ -3,7 +3,11 @@
 ``clear_caches(svc)`` sets ``kv_cache_status`` to CLEARING and waits, bounded, until every rank
 has drained its tasks, detached its caches and the status reads CLEARED; then the engine frees
 its device caches.  A rank that dies meanwhile fails the clear at once (``CacheUpdateError``
-naming it) instead of hanging it; restart it with ``restart_rank`` and clear again.
+naming it) instead of hanging it; restart it with ``restart_rank`` and clear again.  A rank
+whose task still has an I/O that may touch its blocks (one that outlived its deadline) keeps
+its caches attached until that I/O ends, however long: the clear times out naming it, and the
+engine's memory is not freed.  Calling ``clear_caches`` again goes on waiting; ``restart_rank``
+ends the I/O with the process.
 
 ``restore_caches(svc)`` re-creates the device caches, sets ``cache_ready_signal`` for every rank,
 re-reads the storage key prefix from ``<model_path>/version.yaml`` when storage is on, sets
@@ -48,17 +52,22 @@ def _wait(svc: "CacheTransferService", want: KVCacheStatus, timeout: float, what
         if time.monotonic() > deadline:
             flags = svc.signals[pending_signal].value
             behind = [r for r in range(svc.tp) if (flags[r] != 0 if want == KVCacheStatus.CLEARED else flags[r] != 1)]
+            hint = ("; a rank keeps its caches attached while a task's I/O may still touch them: call "
+                    "clear_caches again to wait on, or restart_rank to end that I/O"
+                    if want == KVCacheStatus.CLEARED else "")
             raise CacheUpdateError(f"{what} timed out after {timeout:g}s (kv_cache_status {status(svc).name}); "
-                                   f"ranks not done: {behind}")
+                                   f"ranks not done: {behind}{hint}")
         time.sleep(_TICK)
 
 
 def clear_caches(svc: "CacheTransferService", timeout: float = 60.0) -> None:
     current = status(svc)
-    if current != KVCacheStatus.NORMAL:
-        raise CacheUpdateError(f"clear_caches needs kv_cache_status NORMAL, it is {current.name}")
+    if current not in (KVCacheStatus.NORMAL, KVCacheStatus.CLEARING, KVCacheStatus.CLEARED):
+        raise CacheUpdateError(f"clear_caches needs kv_cache_status NORMAL (or CLEARING or CLEARED, to finish a "
+                               f"clear that timed out), it is {current.name}")
     t0 = time.monotonic()
-    svc.signals[KV_CACHE_STATUS_SIGNAL].value[0] = int(KVCacheStatus.CLEARING)
+    if current == KVCacheStatus.NORMAL:
+        svc.signals[KV_CACHE_STATUS_SIGNAL].value[0] = int(KVCacheStatus.CLEARING)
     _wait(svc, KVCacheStatus.CLEARED, timeout, "clear_caches", CACHE_READY_SIGNAL)
     svc.caches.close()  # every rank has detached: the engine frees its KV memory
     logger.info("[RL] caches cleared on %d ranks in %.2fs", svc.tp, time.monotonic() - t0)
@@ -71,6 +80,7 @@ def restore_caches(svc: "CacheTransferService", timeout: float = 120.0) -> None:
     t0 = time.monotonic()
     if svc.storage_backend != "none":
         svc.model_version = key_prefix_from_version(svc.model_id)  # the namespace the ranks will use
+    svc.caches.close()  # every rank is detached (CLEARED); a clear that timed out at its end left them
     svc.caches = DeviceCaches(svc.platform, svc.spec, svc.tp, svc.device_ids)
     for rank in range(svc.tp):
         svc.caches.create_rank(rank)

@@ -12,10 +12,14 @@ import pytest
 
 from engine_hooks import CachesClearedError, CacheUpdateError, RankDiedError
 from engine_hooks.prefix_cache import TieredPrefixCache
-from cache_manager.cache_data import KV_CACHE_STATUS_SIGNAL, KVCacheStatus
+from cache_manager.cache_data import CACHE_READY_SIGNAL, KV_CACHE_STATUS_SIGNAL, KVCacheStatus
 from cache_manager.kv_cache_lifecycle import key_prefix_from_version
 from tests.service_helpers import SMALL, block_bytes, fill_distinct, segments_of, start_service, views
 from transfer_factory.keys import chain_hash_ids
+
+
+def status_of(svc) -> KVCacheStatus:
+    return KVCacheStatus(int(svc.signals[KV_CACHE_STATUS_SIGNAL].value[0]))
 
 
 def set_version(model_dir, version: str) -> None:
@@ -125,3 +129,83 @@ def test_a_rank_killed_while_clearing_fails_the_clear_instead_of_hanging_it(tmp_
     finally:
         svc.shutdown()
     assert segments_of(port) == []
+
+
+def test_a_clear_keeps_the_caches_a_late_direct_read_may_still_write(tmp_path):
+    """A direct read stuck past its deadline may still write its device blocks.  The clear must
+    not detach them, and the engine must not free them, until that read has returned; then the
+    same clear goes on to the end, and a restore works."""
+    from tests.test_fault_matrix import PLUGIN_ENV, Latch
+
+    latch = Latch(tmp_path / "latch")
+    model = tmp_path / "model"
+    model.mkdir()
+    set_version(model, "RL-STEP1-20251103-aaaa")
+    svc = start_service(SMALL, storage_backend="latched", storage_transfer="direct", extra_env=PLUGIN_ENV,
+                        storage_options={"root": str(tmp_path / "store"), "latch_dir": str(latch.dir),
+                                         "fsync": False}, model_id=str(model), model_version="RL-STEP1")
+    port = svc.port
+    try:
+        fill_distinct(svc, seed=8)
+        keys = chain_hash_ids(["late-0", "late-1"])
+        assert svc.write_storage(keys, [1, 2]).result(timeout=30) == [1, 2]
+        latch.close("batch_get_multi")
+        late = svc.read_storage(keys, [5, 6], timeout=0.5)
+        assert late.result(timeout=10) == []  # answered at its deadline, the read still stuck
+        assert not late.released.done()
+
+        with pytest.raises(CacheUpdateError, match=r"ranks not done: \[0, 1\].*restart_rank"):
+            svc.clear_caches(timeout=1.5)
+        time.sleep(0.5)  # a rank that gave up waiting would detach now
+        assert list(svc.signals[CACHE_READY_SIGNAL].value) == [1, 1]  # still attached on every rank
+        assert status_of(svc) == KVCacheStatus.CLEARING
+        assert [n for n in segments_of(port) if ".key_caches_" in n]  # the engine freed nothing
+
+        latch.open("batch_get_multi")
+        late.released.result(timeout=10)
+        svc.clear_caches(timeout=30)  # the same clear goes on to the end
+        assert status_of(svc) == KVCacheStatus.CLEARED
+        assert not [n for n in segments_of(port) if ".key_caches_" in n or ".value_caches_" in n]
+        set_version(model, "RL-STEP2-20251104-bbbb")
+        svc.restore_caches(timeout=60)
+        assert svc.read_storage(keys, [5, 6]).result(timeout=30) == []  # the old weights' KV: a miss
+        fill_distinct(svc, seed=9)
+        swapped = block_bytes(svc, [3])
+        assert svc.swap_to_cpu([3], [0]).result(timeout=30)
+        assert svc.swap_to_gpu([4], [0]).result(timeout=30)
+        got = block_bytes(svc, [4])
+        assert all(np.array_equal(got[k], swapped[k]) for k in swapped)
+    finally:
+        svc.shutdown()
+    assert segments_of(port) == []
+
+
+def test_a_draining_rank_never_detaches_while_a_task_holds_blocks(monkeypatch):
+    """The clear's state machine on one rank: however long a task holds its blocks (past the
+    drain's warning time too), every step refuses tasks and keeps the caches attached; the step
+    after the release detaches them and reports the rank cleared."""
+    import logging
+    from types import SimpleNamespace
+
+    from cache_manager import kv_cache_lifecycle
+    from cache_manager.cache_data import CACHE_TRANSFER_INITED_SIGNAL, SWAP_SPACE_READY_SIGNAL
+
+    monkeypatch.setattr(kv_cache_lifecycle, "DRAIN_TIMEOUT", 0.05)
+    monkeypatch.delenv(kv_cache_lifecycle.SWAP_CLEARING_ENV, raising=False)
+    held = [1]
+    signals = {name: SimpleNamespace(value=np.ones(2, np.int32)) for name in
+               (CACHE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL, SWAP_SPACE_READY_SIGNAL)}
+    signals[KV_CACHE_STATUS_SIGNAL] = SimpleNamespace(value=np.array([int(KVCacheStatus.CLEARING)], np.int32))
+    ctm = SimpleNamespace(rank=0, signals=signals, log=logging.getLogger("test.lifecycle"), storage=None, groups=[],
+                          scheduler=SimpleNamespace(active=lambda: held[0], expire_waiting=lambda: None))
+    life = kv_cache_lifecycle.KvCacheLifecycle(ctm)
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        life.step()
+        assert life.draining and life.refusal() is not None
+        assert signals[CACHE_READY_SIGNAL].value[0] == 1 and signals[CACHE_TRANSFER_INITED_SIGNAL].value[0] == 1
+        time.sleep(0.01)
+    held[0] = 0
+    life.step()
+    assert life.detached and not life.draining and life.refusal() is not None
+    assert signals[CACHE_READY_SIGNAL].value[0] == 0 and signals[CACHE_TRANSFER_INITED_SIGNAL].value[0] == 0
