@@ -7,7 +7,7 @@ arrives; a malformed task becomes an error result, not a crash.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from .cache_data import CacheStatus
@@ -177,6 +177,20 @@ class RankResult:
     released: bool = True
     storage_calls: int = 0  # backend calls this rank made for the task
     storage_failures: int = 0  # of those, calls that raised, timed out or never started
+
+
+_RESULT_DEFAULTS = {f.name: f.default for f in fields(RankResult) if f.default is not MISSING}
+
+
+def result_body(result: RankResult) -> dict:
+    """A result's wire body: every field that differs from its default, since the receiver
+    (``queue_checks.rank_result_from_body``) fills the defaults back in and checks each field it
+    gets.  Every rank answers every task, and the engine takes the answers one after another."""
+    defaults = _RESULT_DEFAULTS
+    body = {k: v for k, v in vars(result).items()
+            if k not in defaults or type(v) is not type(defaults[k]) or v != defaults[k]}
+    body["type"] = "result"
+    return body
 
 
 @dataclass

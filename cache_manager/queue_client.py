@@ -17,7 +17,7 @@ import time
 import zmq
 
 from . import wire
-from .cache_tasks import RankResult
+from .cache_tasks import RankResult, result_body
 from .queue_checks import MAX_BARRIER_TIMEOUT, MAX_NAME_CHARS, DropLog, LoopErrors, is_int
 from .queue_session import CONTROL, DOWN, FIRST_RESULTS, MAX_RESULT_CHANNELS, TASKS, UP, stream
 
@@ -293,8 +293,7 @@ class EngineCacheQueueClient:
         channel = getattr(self._local, "channel", None)
         if channel is None:
             channel = self._local.channel = self._open_result_channel()
-        # vars, not dataclasses.asdict: the body is packed at once, a deep copy would only cost time.
-        channel.send({"type": "result", **vars(result)}, self._secret, self._session)
+        channel.send(result_body(result), self._secret, self._session)
 
     def _open_result_channel(self) -> _ResultChannel:
         with self._channels_lock:

@@ -132,6 +132,7 @@ class CacheMetrics:
             Gauge(metric, doc, registry=r).set_function(lambda name=name: self._read(name))
         self.backend = "none"
         self._lock = threading.Lock()
+        self._children: dict[tuple, Any] = {}  # (metric, label values) -> its child, see _child
         self._server: Any = None
         self._thread: threading.Thread | None = None
         # Series that exist (at 0) before anything happens, so dashboards and rate() see them.
@@ -177,20 +178,29 @@ class CacheMetrics:
     def observe(self, task: Mapping[str, Any], outcome: str, seconds: float, results: Mapping[int, Any]) -> None:
         """The TaskTracker observer: one call per finished task."""
         kind = kind_of(task)
-        self.tasks.labels(kind, outcome).inc()
+        self._child(self.tasks, kind, outcome).inc()
         if outcome in TIMED_OUTCOMES and seconds >= 0:
-            self.latency.labels(kind).observe(seconds)
+            self._child(self.latency, kind).observe(seconds)
         direction = DIRECTIONS.get(kind)
         if direction is not None:
             moved = sum(max(0, int(getattr(res, "bytes_moved", 0) or 0)) for res in results.values())
             if moved:
-                self.bytes_moved.labels(direction).inc(moved)
+                self._child(self.bytes_moved, direction).inc(moved)
         storage = STORAGE_DIRECTIONS.get(kind)
         if storage is not None:
             calls = sum(max(0, int(getattr(res, "storage_calls", 0) or 0)) for res in results.values())
             failures = sum(max(0, int(getattr(res, "storage_failures", 0) or 0)) for res in results.values())
-            self.storage_calls.labels(self.backend, storage).inc(calls)
-            self.storage_failures.labels(self.backend, storage).inc(failures)
+            self._child(self.storage_calls, self.backend, storage).inc(calls)
+            self._child(self.storage_failures, self.backend, storage).inc(failures)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once: prometheus_client checks and locks on every
+        ``labels`` call, and every finished task takes two or three of them on the engine's queue thread."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def record_lookup(self, served: Mapping[str, int], missed: Mapping[str, int]) -> None:
         """Add per-tier block counts (see the module docstring for what served and missed mean)."""

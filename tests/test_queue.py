@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from cache_manager import wire
-from cache_manager.cache_tasks import RankResult
+from cache_manager.cache_tasks import RankResult, result_body
 from cache_manager.engine_cache_queue import EngineCacheQueueClient, EngineCacheQueueServer
 
 SECRET = b"s" * 32
@@ -81,6 +81,23 @@ def test_results_come_back_from_any_thread(queue):
         w.join()
     assert wait_for(lambda: len(results) == 2)
     assert sorted((r.task_id, r.rank, r.value) for r in results) == [("x0", 0, 0), ("x1", 1, 1)]
+
+
+def test_results_arrive_field_for_field_whatever_they_leave_at_default(queue):
+    """A result travels with only the fields that differ from their defaults; the engine gets
+    every field back, the defaults included."""
+    server, ranks, results = queue
+    sent = [RankResult("plain", 0, True, recv_seq=3, elapsed_ms=0.25, bytes_moved=4096),
+            RankResult("failed", 0, False, error="OSError: disk gone", recv_seq=0),
+            RankResult("late", 0, True, value=[4, 5], released=False, storage_calls=2, storage_failures=1),
+            RankResult("release", 0, True, released=True, recv_seq=7),
+            RankResult("control", 0, True, value={"pid": 12, "rank": 0}, elapsed_ms=0.0)]
+    for r in sent:
+        ranks[0].client.send_result(r)
+    assert wait_for(lambda: len(results) == len(sent))
+    assert results == sent
+    assert sorted(result_body(sent[0])) == \
+        ["bytes_moved", "elapsed_ms", "ok", "rank", "recv_seq", "task_id", "type"]
 
 
 def test_a_result_cannot_claim_another_rank(queue):
