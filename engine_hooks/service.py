@@ -73,7 +73,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SUPERVISOR_TICK = 0.05
+_SUPERVISOR_TICK = 0.05  # how often a supervisor without pidfds looks whether its ranks are alive
+_BEAT_S = 1.0  # the heartbeat's period, and the longest a supervisor with pidfds sleeps
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -181,9 +182,14 @@ class CacheTransferService:
             raise ValueError(f"metrics_port {metrics_port!r} must be a port number (0 picks a free one)")
         self.metrics_port = metrics_port
         self.supervisor_errors = 0
+        self.supervisor_loops = 0  # the supervisor's wake-ups (it sleeps until it has something to do)
         self._shutdown_lock = threading.Lock()
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
+        # Rung to wake the supervisor before its planned time: a sooner deadline, a restarted rank, stop.
+        self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._bell_lock = threading.Lock()  # a ring never writes to the number of a closed bell
+        self.tracker.on_sooner_deadline = self._ring
         self._closed = False
         self._started = False
 
@@ -402,14 +408,41 @@ class CacheTransferService:
             for _, fd in watched.values():
                 os.close(fd)
 
+    def _ring(self) -> None:
+        with self._bell_lock:
+            if self._bell >= 0:
+                try:
+                    os.eventfd_write(self._bell, 1)
+                except BlockingIOError:  # the counter is full: the supervisor wakes anyway
+                    pass
+
+    def _close_bell(self) -> None:
+        with self._bell_lock:
+            if self._bell >= 0:
+                os.close(self._bell)
+                self._bell = -1
+
     def _supervise_once(self, last_beat: float, watched: dict[int, tuple[int, int]]) -> float:
+        """One look at the ranks and the deadlines.  With pidfds it sleeps until a rank dies, the
+        soonest deadline, the next heartbeat or the bell: a busy engine's threads are not
+        interrupted 20 times a second.  Without them it polls every ``_SUPERVISOR_TICK``."""
+        self.supervisor_loops += 1
         self._watch_pidfds(watched)
         if watched:
-            select.select([fd for _, fd in watched.values()], [], [], _SUPERVISOR_TICK)
+            wake = self.tracker.plan_wake(last_beat + _BEAT_S)
+            timeout = min(_BEAT_S, max(0.0, wake - time.monotonic()))
+            bell = self._bell
+            ready, _, _ = select.select([fd for _, fd in watched.values()] + [bell], [], [], timeout)
+            if bell in ready:
+                try:
+                    os.eventfd_read(bell)
+                except BlockingIOError:
+                    pass
         else:
+            self.tracker.plan_wake(last_beat + _BEAT_S)
             self._stop.wait(_SUPERVISOR_TICK)
         now = time.monotonic()
-        if now - last_beat >= 1.0:
+        if now - last_beat >= _BEAT_S:
             self._beat()
             self.server.pump()  # registers task connections, drains anything else sent there
             last_beat = now
@@ -463,6 +496,7 @@ class CacheTransferService:
         self.procs[rank] = self._launch(rank)
         self._wait_ready([rank])
         self.tracker.mark_up(rank)
+        self._ring()  # watch the new process at once
         logger.info("rank %d restarted as pid %d", rank, self.procs[rank].pid)
 
     # ------------------------------------------------------------------ RL weight updates
@@ -489,8 +523,11 @@ class CacheTransferService:
         self.tracker.close()  # pending tasks fail; every block is released: the caches go away with the service
         self.metrics.close()
         self._stop.set()
+        self._ring()
         if self._supervisor is not None:
             self._supervisor.join(5.0)
+        if self._supervisor is None or not self._supervisor.is_alive():
+            self._close_bell()
         for proc in self.procs.values():
             proc.stop(self.stop_grace)
         if self.server is not None:

@@ -18,8 +18,10 @@ observer that raises is logged and never disturbs the task.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -34,6 +36,9 @@ from .errors import RankDiedError, ServiceClosed, TaskFailedError, TaskTimeoutEr
 logger = logging.getLogger(__name__)
 
 OUTCOMES = ("ok", "failed", "timed_out", "rank_died", "closed")
+# A task expires this long after its deadline: a rank that gives up at the deadline (a layer-wise
+# store whose layers never came) answers then, and its own error is worth more than a timeout.
+ANSWER_SLACK_S = 0.05
 # observer(task, outcome, seconds from submission, the ranks' results so far)
 Observer = Callable[[dict, str, float, dict], None]
 
@@ -85,6 +90,11 @@ class TaskTracker:
         self._record_latencies = record_latencies
         self._busy_total = 0.0  # seconds with a task pending, up to _busy_since
         self._busy_since: float | None = None  # perf_counter when the pending set last became non-empty
+        # Deadlines of pending tasks, soonest first (entries of finished tasks are dropped when they
+        # reach the top), so the supervisor sleeps until the next one instead of polling.
+        self._deadline_heap: list[tuple[float, str]] = []
+        self._wake_by = math.inf  # when the supervisor looks next (plan_wake)
+        self.on_sooner_deadline: Callable[[], None] | None = None  # wakes the supervisor
 
     # ------------------------------------------------------------------ submission
     def new_task_id(self) -> str:
@@ -109,14 +119,37 @@ class TaskTracker:
             down = min(self._dead.items()) if self._dead else None
             if down is None:
                 future = new_future()
-                self._pending[task["task_id"]] = Pending(task, future, now + timeout + grace, timeout + grace,
-                                                         set(range(self.tp)))
+                deadline = now + timeout + grace
+                self._pending[task["task_id"]] = Pending(task, future, deadline, timeout + grace, set(range(self.tp)))
+                self._prune_deadlines_locked()
+                heapq.heappush(self._deadline_heap, (deadline, task["task_id"]))
                 self._busy_locked()
-                return task, future, True
+                sooner = deadline + ANSWER_SLACK_S < self._wake_by
+        if down is None:
+            if sooner and self.on_sooner_deadline is not None:
+                self.on_sooner_deadline()
+            return task, future, True
         future = new_future(released=True)
         future.set_exception(RankDiedError(task["task_id"], *down))
         self._notify(task, "rank_died", 0.0, {})
         return task, future, False
+
+    def plan_wake(self, latest: float) -> float:
+        """When the supervisor should next look (``time.monotonic()``): the soonest deadline of a
+        pending task, or ``latest``.  A task submitted later with a sooner deadline calls
+        ``on_sooner_deadline``."""
+        with self.lock:
+            self._prune_deadlines_locked()
+            heap = self._deadline_heap
+            self._wake_by = min(latest, heap[0][0] + ANSWER_SLACK_S) if heap else latest
+            return self._wake_by
+
+    def _prune_deadlines_locked(self) -> None:
+        """Drop the soonest deadlines of tasks no longer pending.  Called on every submission too,
+        so the heap holds only what was submitted since the oldest pending task, whoever drives it."""
+        heap, pending = self._deadline_heap, self._pending
+        while heap and (heap[0][1] not in pending or pending[heap[0][1]].deadline != heap[0][0]):
+            heapq.heappop(heap)
 
     def unreachable(self, task_id: str, ranks: list[int]) -> None:
         """The task never reached ``ranks``: they hold nothing of it, and it fails."""
@@ -179,9 +212,10 @@ class TaskTracker:
             self._notify(pending.task, outcome, time.perf_counter() - pending.submitted, pending.results)
 
     def expire(self, now: float) -> None:
-        """Fail every task whose deadline (plus grace) has passed, naming the ranks that did not answer."""
+        """Fail every task whose deadline (plus grace, plus ``ANSWER_SLACK_S``) has passed, naming the
+        ranks that did not answer."""
         with self.lock:
-            expired = [(tid, p) for tid, p in self._pending.items() if p.deadline <= now]
+            expired = [(tid, p) for tid, p in self._pending.items() if p.deadline + ANSWER_SLACK_S <= now]
             for tid, p in expired:
                 del self._pending[tid]
                 self._unreleased[tid] = p  # every rank that has not answered may still act on it

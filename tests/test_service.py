@@ -130,6 +130,29 @@ def test_timeout_names_the_rank_that_did_not_answer(svc):
     svc.control("ping").result(timeout=20)  # the late answer is ignored; the service goes on
 
 
+def test_a_sooner_deadline_wakes_the_sleeping_supervisor_and_fails_on_time(svc):
+    """The supervisor sleeps until the soonest deadline (or the next heartbeat), not on a fixed
+    tick.  A task submitted while it sleeps towards a later time, with a sooner deadline, still
+    fails at that deadline: the submission wakes it."""
+    svc.control("ping").result(timeout=20)
+    slow = svc.control("sleep", seconds=2.0, rank=0, timeout=10.0)  # a late deadline first
+    for attempt in range(3):  # a heartbeat could fall inside the window once, not three times
+        time.sleep(0.1)  # the supervisor is asleep until the heartbeat, up to a second away
+        t0 = time.monotonic()
+        with pytest.raises(TaskTimeoutError):
+            svc.control("sleep", seconds=1.0, rank=1, timeout=0.2).result(timeout=5)
+        waited = time.monotonic() - t0
+        assert 0.2 <= waited < 0.35, f"attempt {attempt}: failed after {waited:.3f}s for a 0.2s timeout"
+    assert slow.result(timeout=20) == [None, None]
+
+
+def test_an_idle_service_supervisor_wakes_about_once_a_second(svc):
+    svc.control("ping").result(timeout=20)
+    loops = svc.supervisor_loops
+    time.sleep(2.0)
+    assert svc.supervisor_loops - loops <= 5  # the heartbeat's, not 20 a second
+
+
 def test_killed_rank_fails_pending_futures_and_can_be_restarted():
     svc = start_service()
     port = svc.port
