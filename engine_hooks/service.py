@@ -187,7 +187,7 @@ class CacheTransferService:
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
         # Rung to wake the supervisor before its planned time: a sooner deadline, a restarted rank, stop.
-        self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._bell = -1  # an eventfd from start() on
         self._bell_lock = threading.Lock()  # a ring never writes to the number of a closed bell
         self.tracker.on_sooner_deadline = self._ring
         self._closed = False
@@ -219,6 +219,7 @@ class CacheTransferService:
             for rank in range(self.tp):
                 self.procs[rank] = self._launch(rank)
             self._wait_ready(list(range(self.tp)))
+            self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             self._supervisor = threading.Thread(target=self._supervise, name="ctm-supervisor", daemon=True)
             self._supervisor.start()
             if self.metrics_port is not None:
