@@ -209,3 +209,45 @@ def test_a_draining_rank_never_detaches_while_a_task_holds_blocks(monkeypatch):
     life.step()
     assert life.detached and not life.draining and life.refusal() is not None
     assert signals[CACHE_READY_SIGNAL].value[0] == 0 and signals[CACHE_TRANSFER_INITED_SIGNAL].value[0] == 0
+
+
+def test_restarting_the_ranks_of_a_stuck_clear_lets_it_finish(tmp_path):
+    """What the timed-out clear tells the engine to do: restart the ranks whose I/O is stuck.
+    Their processes end the I/O; the new ones come up in CLEARING and detach; the clear finishes."""
+    from tests.test_fault_matrix import PLUGIN_ENV, Latch
+
+    latch = Latch(tmp_path / "latch")
+    model = tmp_path / "model"
+    model.mkdir()
+    set_version(model, "RL-STEP1-20251103-aaaa")
+    svc = start_service(SMALL, storage_backend="latched", storage_transfer="direct", extra_env=PLUGIN_ENV,
+                        storage_options={"root": str(tmp_path / "store"), "latch_dir": str(latch.dir),
+                                         "fsync": False}, model_id=str(model), model_version="RL-STEP1",
+                        stop_grace=0.5)
+    port = svc.port
+    try:
+        fill_distinct(svc, seed=10)
+        keys = chain_hash_ids(["stuck-0"])
+        assert svc.write_storage(keys, [1]).result(timeout=30) == [1]
+        latch.close("batch_get_multi")
+        late = svc.read_storage(keys, [5], timeout=0.5)
+        assert late.result(timeout=10) == []
+        with pytest.raises(CacheUpdateError, match=r"ranks not done: \[0, 1\]"):
+            svc.clear_caches(timeout=1.0)
+        for rank in range(2):
+            svc.restart_rank(rank)  # the latch stays closed: only the process's end stops the read
+        late.released.result(timeout=10)
+        svc.clear_caches(timeout=30)
+        assert status_of(svc) == KVCacheStatus.CLEARED
+        latch.open("batch_get_multi")
+        set_version(model, "RL-STEP2-20251104-bbbb")
+        svc.restore_caches(timeout=60)
+        fill_distinct(svc, seed=11)
+        swapped = block_bytes(svc, [3])
+        assert svc.swap_to_cpu([3], [0]).result(timeout=30)
+        assert svc.swap_to_gpu([4], [0]).result(timeout=30)
+        got = block_bytes(svc, [4])
+        assert all(np.array_equal(got[k], swapped[k]) for k in swapped)
+    finally:
+        svc.shutdown()
+    assert segments_of(port) == []
