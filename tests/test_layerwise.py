@@ -9,6 +9,7 @@ import pytest
 
 from engine_hooks import CacheSpec, TaskFailedError
 from engine_hooks.layerwise import LayerWaitTimeout
+from tests.helpers import host_blocks_match, kv_swap_rig
 from tests.service_helpers import process_gone, segments_of, start_service, views
 
 SPEC = CacheSpec(num_layers=6, num_blocks=32, kv_heads=2, block_size=4, head_dim=8)
@@ -155,29 +156,13 @@ def test_a_malformed_layerwise_field_is_refused_naming_it():
 
 
 def test_layer_cuts_and_merges_of_a_plan_address_the_same_bytes():
-    from ops.cpu import CpuPlatform
     from ops.layout import layer_range, merge_plans
 
-    platform = CpuPlatform(instance=f"lw{os.getpid()}")
-    k = [platform.empty([8, 64], "uint8") for _ in range(3)]
-    v = [platform.empty([8, 64], "uint8") for _ in range(3)]
-    hosts = [[platform.host_alloc(4 * 64) for _ in range(3)] for _ in range(2)]
-    try:
-        rng = np.random.default_rng(0)
-        for t in k + v:
-            platform.raw_view(t)[:] = rng.integers(0, 256, platform.raw_view(t).shape, dtype=np.uint8)
-        plans = [platform.plan_all_layers(k, hosts[0], 4), platform.plan_all_layers(v, hosts[1], 4)]
+    with kv_swap_rig(f"lw{os.getpid()}", seed=0) as (platform, kinds):
+        plans = [plan for _, _, plan in kinds]
         for layer in range(3):
             merged = merge_plans([layer_range(p, layer, layer + 1) for p in plans])
             platform.run_plan(merged, [5, 2], [0, 3], 0)
-        for caches, ptrs in ((k, hosts[0]), (v, hosts[1])):
-            for t, ptr in zip(caches, ptrs):
-                host = platform.host_buffer(ptr, 4 * 64).reshape(4, 64)
-                assert np.array_equal(host[[0, 3]], platform.raw_view(t)[[5, 2]])
+        assert host_blocks_match(platform, kinds, [0, 3], [5, 2])
         with pytest.raises(ValueError, match="layer range"):
             layer_range(plans[0], 2, 4)
-    finally:
-        for t in k + v:
-            platform.free(t)
-        for ptr in hosts[0] + hosts[1]:
-            platform.host_free(ptr)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from cache_manager.swap_plans import SwapPlans
-from ops.cpu import CpuPlatform
 from ops.layout import CopyPlan, Side
+from tests.helpers import host_blocks_match, kv_swap_rig
 
 
 def plan(base: int, block_bytes: int = 64, layers: int = 2) -> CopyPlan:
@@ -53,27 +53,11 @@ def test_plans_rebuilt_after_a_restore_are_never_served_from_the_old_ones():
 
 
 def test_a_whole_task_copy_through_merged_plans_is_bit_exact():
-    platform = CpuPlatform(instance=f"sp{os.getpid()}")
-    k = [platform.empty([8, 64], "uint8") for _ in range(3)]
-    v = [platform.empty([8, 64], "uint8") for _ in range(3)]
-    hosts = [[platform.host_alloc(4 * 64) for _ in range(3)] for _ in range(2)]
-    try:
-        rng = np.random.default_rng(1)
-        for t in k + v:
-            platform.raw_view(t)[:] = rng.integers(0, 256, platform.raw_view(t).shape, dtype=np.uint8)
-        kinds = [platform.plan_all_layers(k, hosts[0], 4), platform.plan_all_layers(v, hosts[1], 4)]
-        merged = SwapPlans().whole(kinds)
+    with kv_swap_rig(f"sp{os.getpid()}", seed=1) as (platform, kinds):
+        merged = SwapPlans().whole([plan for _, _, plan in kinds])
         assert len(merged) == 1
         for p in merged:
             platform.run_plan(p, [5, 2, 7], [0, 3, 1], 0)
-        for caches, ptrs in ((k, hosts[0]), (v, hosts[1])):
-            for t, ptr in zip(caches, ptrs):
-                host = platform.host_buffer(ptr, 4 * 64).reshape(4, 64)
-                assert np.array_equal(host[[0, 3, 1]], platform.raw_view(t)[[5, 2, 7]])
+        assert host_blocks_match(platform, kinds, [0, 3, 1], [5, 2, 7])
         with pytest.raises(ValueError, match="out of range"):
             platform.run_plan(merged[0], [8], [0], 0)
-    finally:
-        for t in k + v:
-            platform.free(t)
-        for ptr in hosts[0] + hosts[1]:
-            platform.host_free(ptr)
