@@ -26,6 +26,31 @@ def set_version(model_dir, version: str) -> None:
     (model_dir / "version.yaml").write_text(f"# written by the RL trainer\nversion: {version}\n")
 
 
+def swap_round_trip_is_exact(svc, block: int, slot: int, into: int) -> bool:
+    """Swap device block ``block`` out to host slot ``slot`` and back into block ``into``: whether
+    ``into`` then holds ``block``'s bytes on every rank, kind and layer."""
+    want = block_bytes(svc, [block])
+    assert svc.swap_to_cpu([block], [slot]).result(timeout=30)
+    assert svc.swap_to_gpu([into], [slot]).result(timeout=30)
+    got = block_bytes(svc, [into])
+    return all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def latched_direct_service(tmp_path, **kw):
+    """TP=2 CTMs on the latched file store (``tests/latched_store.py``) with direct reads, storing
+    for a model at RL-STEP1: ``(service, latch, model directory)``."""
+    from tests.test_fault_matrix import PLUGIN_ENV, Latch
+
+    latch = Latch(tmp_path / "latch")
+    model = tmp_path / "model"
+    model.mkdir()
+    set_version(model, "RL-STEP1-20251103-aaaa")
+    svc = start_service(SMALL, storage_backend="latched", storage_transfer="direct", extra_env=PLUGIN_ENV,
+                        storage_options={"root": str(tmp_path / "store"), "latch_dir": str(latch.dir),
+                                         "fsync": False}, model_id=str(model), model_version="RL-STEP1", **kw)
+    return svc, latch, model
+
+
 @pytest.fixture(params=["file", "mooncake"])
 def storage(request, tmp_path):
     if request.param == "file":
@@ -97,11 +122,8 @@ def test_clear_and_restore_never_serve_kv_of_the_old_weights(storage, tmp_path, 
         assert svc.read_storage(new_keys, [5, 6, 7]).result(timeout=30) == [5, 6, 7]
         got = block_bytes(svc, [5, 6, 7])
         assert all(np.array_equal(got[k], want[k]) for k in want)
-        swapped = block_bytes(svc, [8])  # the rebuilt swap space works
-        assert svc.swap_to_cpu([8], [1]).result(timeout=30)
-        assert svc.swap_to_gpu([9], [1]).result(timeout=30)
-        got = block_bytes(svc, [9])
-        assert all(np.array_equal(got[k], swapped[k]) for k in swapped)
+        assert swap_round_trip_is_exact(svc, 8, 1, 9)  # the rebuilt swap space works
+        swapped = block_bytes(svc, [8])
         # Layer-wise copies use plans cut from the rebuilt caches, not those cut before the clear.
         loading = svc.swap_to_gpu([10], [1], layerwise=True)
         loading.wait_for_layer(SMALL.num_layers - 1, timeout=30)
@@ -135,15 +157,7 @@ def test_a_clear_keeps_the_caches_a_late_direct_read_may_still_write(tmp_path):
     """A direct read stuck past its deadline may still write its device blocks.  The clear must
     not detach them, and the engine must not free them, until that read has returned; then the
     same clear goes on to the end, and a restore works."""
-    from tests.test_fault_matrix import PLUGIN_ENV, Latch
-
-    latch = Latch(tmp_path / "latch")
-    model = tmp_path / "model"
-    model.mkdir()
-    set_version(model, "RL-STEP1-20251103-aaaa")
-    svc = start_service(SMALL, storage_backend="latched", storage_transfer="direct", extra_env=PLUGIN_ENV,
-                        storage_options={"root": str(tmp_path / "store"), "latch_dir": str(latch.dir),
-                                         "fsync": False}, model_id=str(model), model_version="RL-STEP1")
+    svc, latch, model = latched_direct_service(tmp_path)
     port = svc.port
     try:
         fill_distinct(svc, seed=8)
@@ -170,11 +184,7 @@ def test_a_clear_keeps_the_caches_a_late_direct_read_may_still_write(tmp_path):
         svc.restore_caches(timeout=60)
         assert svc.read_storage(keys, [5, 6]).result(timeout=30) == []  # the old weights' KV: a miss
         fill_distinct(svc, seed=9)
-        swapped = block_bytes(svc, [3])
-        assert svc.swap_to_cpu([3], [0]).result(timeout=30)
-        assert svc.swap_to_gpu([4], [0]).result(timeout=30)
-        got = block_bytes(svc, [4])
-        assert all(np.array_equal(got[k], swapped[k]) for k in swapped)
+        assert swap_round_trip_is_exact(svc, 3, 0, 4)
     finally:
         svc.shutdown()
     assert segments_of(port) == []
@@ -214,16 +224,7 @@ def test_a_draining_rank_never_detaches_while_a_task_holds_blocks(monkeypatch):
 def test_restarting_the_ranks_of_a_stuck_clear_lets_it_finish(tmp_path):
     """What the timed-out clear tells the engine to do: restart the ranks whose I/O is stuck.
     Their processes end the I/O; the new ones come up in CLEARING and detach; the clear finishes."""
-    from tests.test_fault_matrix import PLUGIN_ENV, Latch
-
-    latch = Latch(tmp_path / "latch")
-    model = tmp_path / "model"
-    model.mkdir()
-    set_version(model, "RL-STEP1-20251103-aaaa")
-    svc = start_service(SMALL, storage_backend="latched", storage_transfer="direct", extra_env=PLUGIN_ENV,
-                        storage_options={"root": str(tmp_path / "store"), "latch_dir": str(latch.dir),
-                                         "fsync": False}, model_id=str(model), model_version="RL-STEP1",
-                        stop_grace=0.5)
+    svc, latch, model = latched_direct_service(tmp_path, stop_grace=0.5)
     port = svc.port
     try:
         fill_distinct(svc, seed=10)
@@ -243,11 +244,7 @@ def test_restarting_the_ranks_of_a_stuck_clear_lets_it_finish(tmp_path):
         set_version(model, "RL-STEP2-20251104-bbbb")
         svc.restore_caches(timeout=60)
         fill_distinct(svc, seed=11)
-        swapped = block_bytes(svc, [3])
-        assert svc.swap_to_cpu([3], [0]).result(timeout=30)
-        assert svc.swap_to_gpu([4], [0]).result(timeout=30)
-        got = block_bytes(svc, [4])
-        assert all(np.array_equal(got[k], swapped[k]) for k in swapped)
+        assert swap_round_trip_is_exact(svc, 3, 0, 4)
     finally:
         svc.shutdown()
     assert segments_of(port) == []
