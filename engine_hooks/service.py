@@ -439,7 +439,7 @@ class CacheTransferService:
                     os.eventfd_read(bell)
                 except BlockingIOError:
                     pass
-        else:
+        else:  # keeps the tracker's planned wake current, so submissions do not ring a bell nobody polls
             self.tracker.plan_wake(last_beat + _BEAT_S)
             self._stop.wait(_SUPERVISOR_TICK)
         now = time.monotonic()

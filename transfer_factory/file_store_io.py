@@ -239,7 +239,7 @@ def resolve_options(options: Mapping[str, Any]) -> tuple[str, str, int, bool, in
         capacity = DEFAULT_CAPACITY
     fsync = parse_bool("file store option fsync", options.get("fsync", True))
     piece = options.get("read_piece_bytes", DEFAULT_READ_PIECE_BYTES)
-    if not isinstance(piece, int) or isinstance(piece, bool) or piece < 0:
+    if not valid_size(piece):
         raise StorageConfigError(f"file store option read_piece_bytes {piece!r} must be a non-negative integer "
                                  f"(0: a staged read is one call per chunk)")
     return os.path.expanduser(os.fspath(root)), root_source, capacity, fsync, piece
