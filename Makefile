@@ -43,9 +43,9 @@ $(DEPS): requirements.txt $(SYSDEPS) | $(PY)
 	$(PY) -m pip install -q -r requirements.txt
 	touch $@
 
-$(EXT): $(DEPS) setup.py $(wildcard ops/csrc/*.c) $(wildcard transfer_factory/csrc/*.[ch])
+$(EXT): $(DEPS) setup.py $(wildcard ops/csrc/*.c) $(wildcard transfer_factory/csrc/*.[ch]) $(wildcard cache_manager/csrc/*.c)
 	$(PY) setup.py -q build_ext --inplace
 	touch $@
 
 clean:
-	rm -rf build ops/_block_copy*.so transfer_factory/_file_records*.so $(EXT)
+	rm -rf build ops/_block_copy*.so transfer_factory/_file_records*.so cache_manager/_wire_check*.so $(EXT)

@@ -1,4 +1,4 @@
-"""Installs the four packages of cache-transfer-manager and builds the CPU block-copy kernel."""
+"""Installs the four packages of cache-transfer-manager and builds its C extensions."""
 from setuptools import Extension, setup
 
 block_copy = Extension(
@@ -18,12 +18,19 @@ file_records = Extension(
     libraries=["dl"],
 )
 
+# The queue's check of every authenticated body (``cache_manager.wire.check_plain``).
+wire_check = Extension(
+    "cache_manager._wire_check",
+    sources=["cache_manager/csrc/wire_check.c"],
+    extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+)
+
 setup(
     name="cache-transfer-manager",
     version="0.1.0",
     description="KV-cache transfer subsystem: device <-> host swap space <-> storage",
     packages=["cache_manager", "ops", "transfer_factory", "engine_hooks"],
-    ext_modules=[block_copy, file_records],
+    ext_modules=[block_copy, file_records, wire_check],
     python_requires=">=3.10",
     install_requires=["numpy", "pyzmq", "msgpack"],
     extras_require={

@@ -477,21 +477,25 @@ class CacheTransferManager:
             submit(task.task_id, seq, kind, touched, deadline, lambda: self._storage(task, deadline), drop_value=[])
 
     def _swap(self, task: SwapTask, deadline: float | None) -> Outcome:
-        publisher = self.layer_board.publisher(task.layerwise) if task.layerwise else None
-        with publishing(publisher):
-            if self.args.num_cpu_blocks == 0:
-                raise ValueError("this CTM has no host swap space (--num_cpu_blocks 0)")
-            mode = ops.DEVICE_TO_HOST if task.event_type == CacheStatus.SWAP2CPU else ops.HOST_TO_DEVICE
-            plans = [g.swap_plan for g in self.groups]
-            if publisher is None:
-                for plan in self._swap_plans.whole(plans) if self.platform.merges_swap_plans else plans:
-                    self.platform.run_plan(plan, task.gpu_block_ids, task.cpu_block_ids, mode)
-            else:
+        mode = ops.DEVICE_TO_HOST if task.event_type == CacheStatus.SWAP2CPU else ops.HOST_TO_DEVICE
+        plans = [g.swap_plan for g in self.groups]
+        if task.layerwise is None:  # no board to mark FAILED: spare the round trip a context manager
+            self._check_swap_space()
+            for plan in self._swap_plans.whole(plans) if self.platform.merges_swap_plans else plans:
+                self.platform.run_plan(plan, task.gpu_block_ids, task.cpu_block_ids, mode)
+        else:
+            publisher = self.layer_board.publisher(task.layerwise)
+            with publishing(publisher):
+                self._check_swap_space()
                 copy_layerwise(self.platform, plans, task.gpu_block_ids,
                                task.cpu_block_ids, mode, publisher,
                                deadline if deadline is not None else time.monotonic() + 30.0,
                                task.layerwise.await_compute, self.stop_event, self._swap_plans)
         return Outcome(bytes_moved=len(task.gpu_block_ids) * self._block_bytes_all_layers)
+
+    def _check_swap_space(self) -> None:
+        if self.args.num_cpu_blocks == 0:
+            raise ValueError("this CTM has no host swap space (--num_cpu_blocks 0)")
 
     @functools.cached_property
     def _block_bytes_all_layers(self) -> int:

@@ -4,10 +4,13 @@ The engine hosts the server (one ZMQ ROUTER socket, one I/O thread); each CTM ra
 a client (``queue_client``, a DEALER socket).  Contracts:
 
 * **Order and once-only.** ``broadcast`` stamps each task with a sequence number and sends
-  it, under one lock, to every registered rank; a ROUTER-to-DEALER link keeps order, so
+  it, under one lock, to every registered rank; each rank's task channel keeps order, so
   every rank receives every task once, in the same order.  Tasks leave from the
-  submitting thread on a socket of their own (no hand-off to the I/O thread); results
-  come back on each rank's worker threads' own sockets.
+  submitting thread (no hand-off to the I/O thread).
+* **Transports.** The handshake and barriers use zmq.  A rank on the engine's host takes its
+  tasks, and sends its results, on a local link (``local_link``: a Unix socket, no zmq I/O
+  threads on the path); a rank elsewhere uses the task port, and sends results on each
+  worker thread's own socket to the control port.
 * **Results.** A rank's ``send_result`` reaches the server's ``on_result`` callback.  A
   result is accepted only on a channel of the session that registered that rank, and
   only if every field checks against ``RankResult`` (``queue_checks``).
@@ -37,10 +40,12 @@ import zmq
 
 from . import wire
 from .cache_tasks import RankResult
+from .local_link import FrameStream
 from .queue_checks import (DropLog, LoopErrors, Refused, barrier_fields, is_int, rank_result_from_body,
                            unsupported_result_fields)
 from .queue_client import (NONCE_BYTES, POLL_MS, RECV_BATCH, EngineCacheQueueClient, Waker, peer_name,
                            readable, socket_options)
+from .queue_local import LocalLinks
 from .queue_session import CONTROL, DOWN, TASKS, UP, Registry, Session, stream
 
 __all__ = ["EngineCacheQueueClient", "EngineCacheQueueServer"]
@@ -62,6 +67,7 @@ class EngineCacheQueueServer:
         port: int = 0,
         on_result: Callable[[RankResult], None] | None = None,
         on_rank_joined: Callable[[int, int], None] | None = None,
+        local_links: bool = True,
     ):
         if num_ranks < 1:
             raise ValueError(f"num_ranks {num_ranks} must be at least 1")
@@ -99,6 +105,9 @@ class EngineCacheQueueServer:
         self._drop = DropLog(logger)
         self._errors = LoopErrors(logger, "engine cache queue")
         self._stop = threading.Event()
+        # Offered to every rank; one on another host cannot reach the path and takes the task port.
+        self._local = LocalLinks(self._send_lock, self._local_frame, self._local_closed, self._errors) \
+            if local_links else None
         self._thread = threading.Thread(target=self._run, name="engine-cache-queue", daemon=True)
         self._thread.start()
 
@@ -129,6 +138,16 @@ class EngineCacheQueueServer:
         with self._lock:
             return set(self._reg.reachable())
 
+    def local_ranks(self) -> set[int]:
+        """Ranks whose tasks and results travel on a local link (the rest use the task port)."""
+        with self._lock:
+            return {rank for rank, s in self._reg.reachable().items() if s.local is not None}
+
+    @property
+    def local_path(self) -> str | None:
+        """The local link's socket, or None when the server offers none."""
+        return self._local.path if self._local is not None else None
+
     def broadcast(self, task: dict) -> list[int]:
         """Send ``task`` (a wire dict with a ``task_id``) to every rank, after all earlier ones.
 
@@ -149,6 +168,15 @@ class EngineCacheQueueServer:
         if session is None:
             return False
         frame = wire.seal(payload, self._secret, session.sid, stream(TASKS, DOWN), session.next_counter(TASKS))
+        link = session.local
+        if link is not None:
+            backlogged = link.backlogged
+            if not link.send(frame):
+                return False
+            if link.backlogged and not backlogged:
+                self._waker.ring()  # the I/O thread watches for room from now on
+            session.advance(TASKS)
+            return True
         try:
             self._tasks.send_multipart([session.task_identity, frame], zmq.NOBLOCK)
         except zmq.ZMQError:  # EHOSTUNREACH: disconnected; EAGAIN: would block
@@ -209,6 +237,8 @@ class EngineCacheQueueServer:
             return
         with self._send_lock:
             self._tasks.close(0)
+        if self._local is not None:
+            self._local.close_all()
         self._waker.close()
         self._router.close(0)
         self._ctx.term()
@@ -218,6 +248,8 @@ class EngineCacheQueueServer:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._waker.pull, zmq.POLLIN)
+        if self._local is not None:
+            self._local.register(poller)
         while not self._stop.is_set():
             try:
                 self._run_once(poller)
@@ -228,7 +260,7 @@ class EngineCacheQueueServer:
     def _run_once(self, poller: zmq.Poller) -> None:
         events = dict(poller.poll(self._poll_timeout_ms()))
         if self._waker.pull in events:
-            self._waker.drain()  # only ever rung to stop the loop
+            self._waker.drain()  # rung to stop the loop, or to watch a local link's backlog
         if self._router in events:
             for _ in range(RECV_BATCH):  # bounded batch, then service the doorbell and deadlines again
                 if not readable(self._router):
@@ -241,6 +273,8 @@ class EngineCacheQueueServer:
                     self._handle(frames)
                 except Exception:  # one frame's failure costs that frame, not the thread
                     self._errors()
+        if self._local is not None:
+            self._local.handle(events)
         self._expire_barriers()
 
     def _poll_timeout_ms(self) -> int:
@@ -335,7 +369,10 @@ class EngineCacheQueueServer:
         if session is None:  # never displace a live rank; the engine calls forget_rank when it is gone
             self._drop("refused", f"hello for rank {rank}, which is live (pid {current.pid})", peer)
             return
-        self._send(session, {"type": "welcome", "nonce": nonce, "rank": rank, "task_port": self.task_port})
+        welcome = {"type": "welcome", "nonce": nonce, "rank": rank, "task_port": self.task_port}
+        if self._local is not None:
+            welcome["local_path"] = self._local.path
+        self._send(session, welcome)
 
     def _ready(self, session: Session, peer: str) -> None:
         with self._lock:
@@ -348,6 +385,45 @@ class EngineCacheQueueServer:
             self._on_rank_joined(session.rank, session.pid)
         except Exception:
             logger.exception("on_rank_joined callback failed for rank %d", session.rank)
+
+    def _local_frame(self, link: FrameStream, pid: int, frame: bytes) -> None:
+        """A frame from a local link: its hello binds it to the rank of pid ``pid``; results follow."""
+        peer = f"local link of pid {pid}"
+        try:
+            env = wire.open_frame(frame, self._secret)
+        except wire.BadFrame as exc:
+            self._drop("bad frame", str(exc), peer)
+            return
+        with self._lock:
+            bound = self._reg.local_links.get(link)
+            problem = self._reg.continues(bound, env) if bound is not None else None
+        if bound is None:
+            body = self._parse(env, peer)
+            if body is None or body["type"] != "hello" or body.get("channel") != "tasks":
+                problem = "its first frame is not a task channel's hello"
+            else:
+                with self._lock:
+                    problem = self._reg.bind_local(link, env, pid)
+            if problem:  # a link is good for one session's task channel, or for nothing
+                self._drop("refused", problem, peer)
+                self._local.close(link, problem)
+            else:
+                self._local.bound(link)
+            return
+        if problem:
+            self._drop("replayed", problem, peer)
+            return
+        body = self._parse(env, peer)
+        if body is None:
+            return
+        if body["type"] == "result" and bound.session.live:
+            self._result(bound.session.rank, body, peer)
+        else:
+            self._drop("unexpected", f"{body['type']!r} on the local link of rank {bound.session.rank}", peer)
+
+    def _local_closed(self, link: FrameStream) -> None:
+        with self._send_lock, self._lock:
+            self._reg.unbind_local(link)
 
     def _result(self, rank: int, body: dict, peer: str) -> None:
         try:

@@ -16,7 +16,7 @@ import time
 
 import zmq
 
-from . import wire
+from . import local_link, wire
 from .cache_tasks import RankResult, result_body
 from .queue_checks import MAX_BARRIER_TIMEOUT, MAX_NAME_CHARS, DropLog, LoopErrors, is_int
 from .queue_session import CONTROL, DOWN, FIRST_RESULTS, MAX_RESULT_CHANNELS, TASKS, UP, stream
@@ -41,6 +41,7 @@ def socket_options(sock: zmq.Socket, rcvhwm: int, sndhwm: int = 0) -> None:
 
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum arithmetic costs a call each
+_POLLOUT, _POLLERR = int(zmq.POLLOUT), int(zmq.POLLERR)
 
 
 def readable(sock: zmq.Socket) -> bool:
@@ -76,6 +77,10 @@ class Waker:
 
     def put(self, item) -> None:
         self.items.put(item)
+        self.ring()
+
+    def ring(self) -> None:
+        """Wake the owner with no item: it re-reads its own state."""
         with self._lock:
             try:
                 self._push.send(b"", zmq.NOBLOCK)
@@ -135,7 +140,7 @@ class EngineCacheQueueClient:
         self._expect = {CONTROL: 1, TASKS: 0}  # next counter per stream down (the welcome was 0)
         self._sent_control = 0
         self._control_lock = threading.Lock()
-        self._local = threading.local()
+        self._thread_local = threading.local()
         self._channels: list[zmq.Socket] = []
         self._channel_ids = itertools.count(FIRST_RESULTS)
         self._channels_lock = threading.Lock()
@@ -144,6 +149,10 @@ class EngineCacheQueueClient:
         self._drop = DropLog(logger)
         self._errors = LoopErrors(logger, f"rank {rank} queue poll")
         self._next_seq: int | None = None
+        self._local: local_link.FrameStream | None = None  # the task channel, on the engine's host
+        self._local_lock = threading.Lock()  # orders result frames and their counters on it
+        self._local_sent = 0
+        self._local_flags = 0
         self._handshake(address, hello_timeout)
 
     @property
@@ -163,30 +172,48 @@ class EngineCacheQueueClient:
         while time.monotonic() < deadline:
             if not self._sock.poll(int(max(1, (deadline - time.monotonic()) * 1000))):
                 continue
-            task_port = self._welcome(self._sock.recv(), nonce)
-            if task_port is not None:
+            welcome = self._welcome(self._sock.recv(), nonce)
+            if welcome is not None:
                 self._send_control({"type": "ready"})
-                self._open_task_channel(address.rsplit(":", 1)[0], task_port)
+                task_port, path = welcome
+                if not (path and self._open_local_link(path)):
+                    self._open_task_channel(address.rsplit(":", 1)[0], task_port)
                 return
         self.close()
         raise TimeoutError(f"rank {self.rank}: no answer from the engine cache queue at {address} within {timeout}s")
 
-    def _welcome(self, frame: bytes, nonce: bytes) -> int | None:
-        """The task port from the welcome that answers our hello (fixing the session), or None."""
+    def _welcome(self, frame: bytes, nonce: bytes) -> tuple[int, str | None] | None:
+        """The task port and local link path of the welcome that answers our hello (fixing the
+        session), or None."""
         try:
             env = wire.open_frame(frame, self._secret)
             body = wire.parse_body(env.payload)
         except wire.BadFrame as exc:
             self._drop("bad frame", str(exc), "server")
             return None
-        port = body.get("task_port")
+        port, path = body.get("task_port"), body.get("local_path")
         if (env.stream, env.counter) != (stream(CONTROL, DOWN), 0) or body["type"] != "welcome" \
                 or body.get("nonce") != nonce or body.get("rank") != self.rank \
-                or not is_int(port) or not 0 < port < 65536 or env.session == wire.NO_SESSION:
+                or not is_int(port) or not 0 < port < 65536 or env.session == wire.NO_SESSION \
+                or not (path is None or type(path) is str):
             self._drop("not our welcome", f"{body['type']!r} on stream {env.stream}", "server")
             return None
         self._session = env.session
-        return port
+        return port, path
+
+    def _open_local_link(self, path: str) -> bool:
+        """Take the task channel on the engine's local link; False if there is none on this host."""
+        try:
+            link = local_link.connect(path)
+        except OSError as exc:
+            logger.info("rank %d: no local link at %r (%s): tasks come on the task port", self.rank, path,
+                        exc.strerror)
+            return False
+        link.send(wire.encode({"type": "hello", "channel": "tasks"}, self._secret, self._session,
+                              stream(TASKS, UP), 0))
+        self._local, self._local_sent, self._local_flags = link, 1, _POLLIN
+        self._poller.register(link.fileno(), _POLLIN)
+        return True
 
     def _open_task_channel(self, host: str, port: int) -> None:
         self._task_sock = self._ctx.socket(zmq.DEALER)
@@ -221,7 +248,34 @@ class EngineCacheQueueClient:
                 task = self._guarded(self._on_task, frame)
                 if task is not None:
                     out.append(task)
+        if self._local is not None:
+            self._serve_local_link(events, out)
         return out
+
+    def _serve_local_link(self, events: dict, out: list[dict]) -> None:
+        link = self._local
+        flags = events.get(link.fileno(), 0)
+        if flags & _POLLOUT:
+            with self._local_lock:
+                link.flush()
+        if flags & (_POLLIN | _POLLERR):
+            try:
+                frames = link.recv_frames(RECV_BATCH)
+            except local_link.LinkClosed as exc:
+                logger.error("rank %d: the engine's local link closed (%s): no more tasks reach this rank", self.rank,
+                             exc)
+                self._poller.unregister(link.fileno())
+                with self._local_lock:
+                    link.close()
+                return
+            for frame in frames:
+                task = self._guarded(self._on_task, frame)
+                if task is not None:
+                    out.append(task)
+        want = _POLLIN | (_POLLOUT if link.backlogged else 0)
+        if want != self._local_flags and not link.broken:
+            self._poller.modify(link.fileno(), want)
+            self._local_flags = want
 
     def _guarded(self, fn, *args):
         try:
@@ -289,10 +343,22 @@ class EngineCacheQueueClient:
 
     # -- sending --------------------------------------------------------------------
     def send_result(self, result: RankResult) -> None:
-        """Send from the calling thread's own socket: no hand-off to the poll thread on the hot path."""
-        channel = getattr(self._local, "channel", None)
+        """Send from the calling thread: no hand-off to the poll thread on the hot path."""
+        link = self._local
+        if link is not None:
+            body = result_body(result)
+            with self._local_lock:
+                backlogged = link.backlogged
+                sent = link.send(wire.encode(body, self._secret, self._session, stream(TASKS, UP), self._local_sent))
+                self._local_sent += 1
+            if not sent:
+                logger.error("rank %d: result of task %s lost: the local link is closed", self.rank, result.task_id)
+            elif link.backlogged and not backlogged:
+                self._waker.ring()  # the poll thread watches for room from now on
+            return
+        channel = getattr(self._thread_local, "channel", None)
         if channel is None:
-            channel = self._local.channel = self._open_result_channel()
+            channel = self._thread_local.channel = self._open_result_channel()
         channel.send(result_body(result), self._secret, self._session)
 
     def _open_result_channel(self) -> _ResultChannel:
@@ -346,6 +412,10 @@ class EngineCacheQueueClient:
         """Close every socket; call after the threads that sent results have stopped."""
         for channel in self._channels:
             channel.close(linger_ms)  # let the last results leave
+        if self._local is not None:
+            with self._local_lock:
+                self._local.drain(linger_ms / 1000)
+                self._local.close()
         self._waker.close()
         if self._task_sock is not None:
             self._task_sock.close(0)

@@ -21,6 +21,10 @@ The task channel (on the task port) and each result channel open with a ``hello`
 S on their own stream, counter 0.  Each can be bound to one connection, once per session, so
 a replay of that hello from another connection is refused.
 
+A rank on the engine's host opens its task channel on the local link instead (``local_link``):
+the same hello, on a Unix socket whose peer must be the session's pid.  That channel carries the
+rank's results up on the task channel's upstream, counters 1, 2, ...: no result channels.
+
 Not thread-safe: the server serialises every call under its own lock.
 """
 from __future__ import annotations
@@ -48,6 +52,7 @@ class Session:
     control: bytes  # routing id of the control connection
     live: bool = False
     task_identity: bytes | None = None
+    local: object | None = None  # the local link carrying the task channel, if the rank took one
     result_channels: set[int] = field(default_factory=set)
     sent: dict[int, int] = field(default_factory=lambda: {CONTROL: 0, TASKS: 0})  # next counter per channel down
 
@@ -75,6 +80,7 @@ class Registry:
         self.pending: collections.OrderedDict[bytes, Session] = collections.OrderedDict()
         self.links: dict[bytes, Link] = {}  # control-port routing ids: control and result connections
         self.task_links: dict[bytes, Link] = {}  # task-port routing ids
+        self.local_links: dict[object, Link] = {}  # local link -> its task channel
 
     # -- lookups ------------------------------------------------------------------
     def session(self, sid: bytes) -> Session | None:
@@ -83,7 +89,7 @@ class Registry:
 
     def reachable(self) -> dict[int, Session]:
         """Live ranks whose task channel is bound: those a broadcast reaches."""
-        return {rank: s for rank, s in self.live.items() if s.task_identity is not None}
+        return {rank: s for rank, s in self.live.items() if s.task_identity is not None or s.local is not None}
 
     @staticmethod
     def continues(link: Link, env: wire.Envelope) -> str | None:
@@ -144,6 +150,27 @@ class Registry:
         self.links[identity] = Link(session, channel)
         return None
 
+    def bind_local(self, link: object, env: wire.Envelope, peer_pid: int) -> str | None:
+        """A local link's hello: bind it as its session's task channel.  Why not, or None."""
+        session = self.session(env.session)
+        if session is None:
+            return "hello in an unknown session"
+        if (env.stream, env.counter) != (stream(TASKS, UP), 0):
+            return f"local link hello on stream {env.stream} counter {env.counter}"
+        if peer_pid != session.pid:
+            return f"local link of pid {peer_pid} for rank {session.rank}, whose pid is {session.pid}"
+        if session.task_identity is not None or session.local is not None:
+            return f"task channel of rank {session.rank} already bound (replayed hello?)"
+        session.local = link
+        self.local_links[link] = Link(session, TASKS)
+        return None
+
+    def unbind_local(self, link: object) -> None:
+        """The local link closed: its rank is unreachable until a new process of it registers."""
+        bound = self.local_links.pop(link, None)
+        if bound is not None and bound.session.local is link:
+            bound.session.local = None
+
     # -- removal -------------------------------------------------------------------
     def forget(self, rank: int) -> None:
         session = self.live.pop(rank, None)
@@ -152,6 +179,7 @@ class Registry:
             self._unlink(session)
 
     def _unlink(self, session: Session) -> None:
-        for table in (self.links, self.task_links):
+        for table in (self.links, self.task_links, self.local_links):
             for identity in [i for i, link in table.items() if link.session is session]:
                 del table[identity]
+        session.local = None

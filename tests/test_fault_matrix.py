@@ -466,7 +466,7 @@ def tapped():
     made = {}
 
     def server_with_tap(*args, **kwargs):
-        server = real_server(*args, **kwargs)
+        server = real_server(*args, **kwargs, local_links=False)  # the tap sees zmq frames only
         made["tap"] = tap = Tap(server)
         host, port = tap.address.rsplit(":", 1)
         made["svc"].extra_flags.update(pod_ip=host.rsplit("/", 1)[1], cache_queue_port=int(port))

@@ -1,4 +1,5 @@
 """EngineCacheQueue in one process: order, barriers with timeouts, authentication, the wire format."""
+import re
 import threading
 import time
 
@@ -190,3 +191,23 @@ def test_secret_file_must_be_private(tmp_path, monkeypatch):
     path.write_text("not hex")
     with pytest.raises(ValueError, match="must hold the secret as hex"):
         wire.load_secret()
+
+
+@pytest.mark.parametrize("body, why", [
+    ({"type": "t", "v": [None, True, 1, -2 ** 63, 1.5, "s", b"b", [], {}, {"k": [0.0]}]}, None),
+    ({"type": "t", "v": float("nan")}, "non-finite number nan"),
+    ({"type": "t", "v": [[1.0, float("-inf")]]}, "non-finite number -inf"),
+    ({"type": "t", "v": {"k": {3: 1}}}, "a map key is not a string"),
+    ({"type": "t", "v": [(1, 2)]}, "tuple is not plain data"),
+    ({"type": "t", "v": {"k": {1, 2}}}, "set is not plain data"),
+    ({"type": "t", "v": [[[[1]]]]}, "nested deeper than 4 levels"),
+    ({"type": "t", "v": [[[1]]]}, None),  # 4 levels: the limit itself
+    ({"type": "t", "v": list(range(98))}, None),  # 100 items with the map's own two
+    ({"type": "t", "v": list(range(99))}, "more than 100 items"),
+])
+def test_check_plain_names_what_is_not_bounded_plain_data(body, why):
+    if why is None:
+        wire.check_plain(body, max_depth=4, max_items=100)
+    else:
+        with pytest.raises(wire.BadFrame, match=re.escape(why)):
+            wire.check_plain(body, max_depth=4, max_items=100)

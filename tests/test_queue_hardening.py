@@ -271,7 +271,8 @@ def body_with(fields: dict, key: str, raw_value: bytes) -> bytes:
 @pytest.fixture
 def server():
     results: list[RankResult] = []
-    srv = EngineCacheQueueServer(2, SECRET, on_result=results.append)
+    # These tests tap and replay zmq frames: ranks take the task port (the local link has its own tests).
+    srv = EngineCacheQueueServer(2, SECRET, on_result=results.append, local_links=False)
     srv.results = results
     yield srv
     srv.close()
