@@ -199,6 +199,9 @@ def child_main(fd: int, parent: int) -> int:
         ilog.warning("lost the replay's pipe (%s): stopping", exc)
         return 1
     finally:
+        # The replay's death both closes our pipe and (PR_SET_PDEATHSIG) sends SIGTERM, microseconds
+        # apart: a SIGTERM raised inside the shutdown would cut it short and leave the segments.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if svc is not None:
             svc.shutdown()
 
