@@ -29,22 +29,20 @@ a client (``queue_client``, a DEALER socket).  Contracts:
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import threading
-import time
 from typing import Callable
 
 import zmq
 
 from . import wire
 from .cache_tasks import RankResult
-from .local_link import FrameStream
 from .queue_checks import (DropLog, LoopErrors, Refused, barrier_fields, is_int, rank_result_from_body,
                            unsupported_result_fields)
-from .queue_client import (NONCE_BYTES, POLL_MS, RECV_BATCH, EngineCacheQueueClient, Waker, peer_name,
-                           readable, socket_options)
+from .queue_barriers import Barriers
+from .queue_client import EngineCacheQueueClient
+from .queue_zmq import NONCE_BYTES, POLL_MS, RECV_BATCH, Waker, peer_name, readable, socket_options
 from .queue_local import LocalLinks
 from .queue_session import CONTROL, DOWN, TASKS, UP, Registry, Session, stream
 
@@ -52,8 +50,6 @@ __all__ = ["EngineCacheQueueClient", "EngineCacheQueueServer"]
 
 logger = logging.getLogger(__name__)
 
-MAX_OPEN_BARRIERS = 4096
-MAX_FAILED_BARRIERS = 4096
 
 
 class EngineCacheQueueServer:
@@ -100,14 +96,13 @@ class EngineCacheQueueServer:
         self._reg = Registry(num_ranks)
         self._lock = threading.Lock()  # guards _reg: the I/O thread, pump() and forget_rank() share it
         self._seq = itertools.count()
-        self._barriers: dict[str, dict] = {}
-        self._failed_barriers: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._barriers = Barriers(num_ranks, lambda rank, body: self._send(self._live(rank), body))
         self._drop = DropLog(logger)
         self._errors = LoopErrors(logger, "engine cache queue")
         self._stop = threading.Event()
         # Offered to every rank; one on another host cannot reach the path and takes the task port.
-        self._local = LocalLinks(self._send_lock, self._local_frame, self._local_closed, self._errors) \
-            if local_links else None
+        self._local = LocalLinks(secret, self._send_lock, self._lock, self._reg, self._drop, self._result,
+                                 self._errors) if local_links else None
         self._thread = threading.Thread(target=self._run, name="engine-cache-queue", daemon=True)
         self._thread.start()
 
@@ -278,10 +273,7 @@ class EngineCacheQueueServer:
         self._expire_barriers()
 
     def _poll_timeout_ms(self) -> int:
-        if not self._barriers:
-            return POLL_MS
-        soonest = min(b["deadline"] for b in self._barriers.values())
-        return max(0, min(POLL_MS, int((soonest - time.monotonic()) * 1000) + 1))
+        return self._barriers.poll_timeout_ms(POLL_MS)
 
     def _send(self, session: Session | None, body: dict) -> bool:
         """Send on ``session``'s control stream (I/O thread only: it alone advances that counter)."""
@@ -386,45 +378,6 @@ class EngineCacheQueueServer:
         except Exception:
             logger.exception("on_rank_joined callback failed for rank %d", session.rank)
 
-    def _local_frame(self, link: FrameStream, pid: int, frame: bytes) -> None:
-        """A frame from a local link: its hello binds it to the rank of pid ``pid``; results follow."""
-        peer = f"local link of pid {pid}"
-        try:
-            env = wire.open_frame(frame, self._secret)
-        except wire.BadFrame as exc:
-            self._drop("bad frame", str(exc), peer)
-            return
-        with self._lock:
-            bound = self._reg.local_links.get(link)
-            problem = self._reg.continues(bound, env) if bound is not None else None
-        if bound is None:
-            body = self._parse(env, peer)
-            if body is None or body["type"] != "hello" or body.get("channel") != "tasks":
-                problem = "its first frame is not a task channel's hello"
-            else:
-                with self._lock:
-                    problem = self._reg.bind_local(link, env, pid)
-            if problem:  # a link is good for one session's task channel, or for nothing
-                self._drop("refused", problem, peer)
-                self._local.close(link, problem)
-            else:
-                self._local.bound(link)
-            return
-        if problem:
-            self._drop("replayed", problem, peer)
-            return
-        body = self._parse(env, peer)
-        if body is None:
-            return
-        if body["type"] == "result" and bound.session.live:
-            self._result(bound.session.rank, body, peer)
-        else:
-            self._drop("unexpected", f"{body['type']!r} on the local link of rank {bound.session.rank}", peer)
-
-    def _local_closed(self, link: FrameStream) -> None:
-        with self._send_lock, self._lock:
-            self._reg.unbind_local(link)
-
     def _result(self, rank: int, body: dict, peer: str) -> None:
         try:
             result = rank_result_from_body(body, rank, self.num_ranks)
@@ -439,36 +392,16 @@ class EngineCacheQueueServer:
     # -- barriers (I/O thread) -------------------------------------------------------
     def _barrier(self, rank: int, body: dict, peer: str) -> None:
         try:
-            name, value, timeout = barrier_fields(body)
+            refused = self._barriers.arrive(rank, *barrier_fields(body))
         except Refused as exc:
             self._drop("malformed", str(exc), peer)
             return
-        if name in self._failed_barriers:
-            self._send(self._live(rank), {"type": "barrier_done", "name": name, "ok": False})
-            return
-        if name not in self._barriers and len(self._barriers) >= MAX_OPEN_BARRIERS:
-            self._drop("refused", f"more than {MAX_OPEN_BARRIERS} open barriers", peer)
-            return
-        barrier = self._barriers.setdefault(name, {"deadline": time.monotonic() + timeout, "values": {}})
-        barrier["values"][rank] = value
-        if len(barrier["values"]) == self.num_ranks:
-            del self._barriers[name]
-            reduced = min(barrier["values"].values())
-            for r in barrier["values"]:
-                self._send(self._live(r), {"type": "barrier_done", "name": name, "ok": True, "value": reduced})
+        if refused:
+            self._drop("refused", refused, peer)
+
+    def _expire_barriers(self) -> None:
+        self._barriers.expire()
 
     def _live(self, rank: int) -> Session | None:
         with self._lock:
             return self._reg.live.get(rank)
-
-    def _expire_barriers(self) -> None:
-        now = time.monotonic()
-        for name in [n for n, b in self._barriers.items() if b["deadline"] <= now]:
-            barrier = self._barriers.pop(name)
-            missing = sorted(set(range(self.num_ranks)) - set(barrier["values"]))
-            logger.warning("barrier %r timed out waiting for ranks %s", name, missing)
-            self._failed_barriers[name] = None
-            while len(self._failed_barriers) > MAX_FAILED_BARRIERS:
-                self._failed_barriers.popitem(last=False)
-            for r in barrier["values"]:
-                self._send(self._live(r), {"type": "barrier_done", "name": name, "ok": False, "missing": missing})

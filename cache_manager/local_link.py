@@ -38,6 +38,9 @@ RECV_BYTES = 64 * 1024  # under malloc's mmap threshold: no mmap and page faults
 SOCKET_BUFFER_BYTES = 1024 * 1024
 MAX_UNBOUND_CONNECTIONS = 64  # accepted, hello not yet seen
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+# A peer that is gone is an error to handle, never a signal: an engine that embeds Python need
+# not ignore SIGPIPE (zmq sends with this flag too).
+_NO_SIGPIPE = socket.MSG_NOSIGNAL
 
 
 class LinkClosed(ConnectionError):
@@ -76,7 +79,7 @@ class FrameStream:
             self._backlog.append(memoryview(data))
             return self.flush()
         try:
-            sent = self.sock.send(data)
+            sent = self.sock.send(data, _NO_SIGPIPE)
         except BlockingIOError:
             sent = 0
         except OSError:
@@ -91,7 +94,7 @@ class FrameStream:
         while self._backlog and not self.broken:
             head = self._backlog[0]
             try:
-                sent = self.sock.send(head)
+                sent = self.sock.send(head, _NO_SIGPIPE)
             except BlockingIOError:
                 return True
             except OSError:

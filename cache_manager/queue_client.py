@@ -1,4 +1,4 @@
-"""The rank's end of the EngineCacheQueue, and the zmq helpers both ends share.
+"""The rank's end of the EngineCacheQueue.
 
 See ``queue_session`` for the handshake, sessions and per-stream counters, and
 ``engine_cache_queue`` for the contracts (order, results, barriers, security).
@@ -9,7 +9,6 @@ import itertools
 import logging
 import math
 import os
-import queue
 import secrets
 import threading
 import time
@@ -20,90 +19,10 @@ from . import local_link, wire
 from .cache_tasks import RankResult, result_body
 from .queue_checks import MAX_BARRIER_TIMEOUT, MAX_NAME_CHARS, DropLog, LoopErrors, is_int
 from .queue_session import CONTROL, DOWN, FIRST_RESULTS, MAX_RESULT_CHANNELS, TASKS, UP, stream
+from .queue_zmq import (NONCE_BYTES, POLL_MS, POLLERR, POLLIN, POLLOUT, RECV_BATCH, Waker, readable, routing_id,
+                        socket_options)
 
 logger = logging.getLogger("cache_manager.engine_cache_queue")
-
-POLL_MS = 1000
-RECV_BATCH = 1000  # frames per socket per wake-up, so one busy socket cannot starve the others
-NONCE_BYTES = 16
-
-
-def socket_options(sock: zmq.Socket, rcvhwm: int, sndhwm: int = 0) -> None:
-    """Every socket that faces a peer: a size limit and a queue bound on what it receives.
-
-    A full receive queue of a TCP peer makes zmq stop reading that connection (back pressure),
-    it does not drop.  Sends default to no bound (SNDHWM 0): ordered task delivery must
-    never silently lose a task at a high-water mark."""
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
-    sock.setsockopt(zmq.RCVHWM, rcvhwm)
-    sock.setsockopt(zmq.SNDHWM, sndhwm)
-
-
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum arithmetic costs a call each
-_POLLOUT, _POLLERR = int(zmq.POLLOUT), int(zmq.POLLERR)
-
-
-def readable(sock: zmq.Socket) -> bool:
-    """Whether a frame waits on ``sock``: asking costs far less than a receive that raises
-    ``zmq.Again``, and every batch would otherwise end in one, on the round trip's path."""
-    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
-
-
-def routing_id(label: str) -> bytes:
-    """A routing id nobody can guess and claim first (a ROUTER refuses a second connection
-    with a routing id it already has); the label only helps reading logs."""
-    return f"{label}.".encode() + secrets.token_hex(8).encode()
-
-
-def peer_name(identity: bytes) -> str:
-    return repr(identity[:40])
-
-
-class Waker:
-    """Hands work to a thread blocked in zmq poll: a SimpleQueue plus an inproc doorbell."""
-
-    _ids = itertools.count()
-
-    def __init__(self, ctx: zmq.Context):
-        endpoint = f"inproc://ctm-waker-{os.getpid()}-{next(self._ids)}"
-        self.pull = ctx.socket(zmq.PULL)
-        self.pull.bind(endpoint)
-        self._push = ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.connect(endpoint)
-        self._lock = threading.Lock()
-        self.items: queue.SimpleQueue = queue.SimpleQueue()
-
-    def put(self, item) -> None:
-        self.items.put(item)
-        self.ring()
-
-    def ring(self) -> None:
-        """Wake the owner with no item: it re-reads its own state."""
-        with self._lock:
-            try:
-                self._push.send(b"", zmq.NOBLOCK)
-            except zmq.Again:  # the doorbell is already full of rings: the owner will wake
-                pass
-
-    def drain(self) -> list:
-        while True:
-            try:
-                self.pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-        out = []
-        while True:
-            try:
-                out.append(self.items.get_nowait())
-            except queue.Empty:
-                return out
-
-    def close(self) -> None:
-        self._push.close(0)
-        self.pull.close(0)
-
 
 class _ResultChannel:
     """One worker thread's own socket: its own stream of the rank's session, its own counter."""
@@ -211,8 +130,8 @@ class EngineCacheQueueClient:
             return False
         link.send(wire.encode({"type": "hello", "channel": "tasks"}, self._secret, self._session,
                               stream(TASKS, UP), 0))
-        self._local, self._local_sent, self._local_flags = link, 1, _POLLIN
-        self._poller.register(link.fileno(), _POLLIN)
+        self._local, self._local_sent, self._local_flags = link, 1, POLLIN
+        self._poller.register(link.fileno(), POLLIN)
         return True
 
     def _open_task_channel(self, host: str, port: int) -> None:
@@ -255,10 +174,10 @@ class EngineCacheQueueClient:
     def _serve_local_link(self, events: dict, out: list[dict]) -> None:
         link = self._local
         flags = events.get(link.fileno(), 0)
-        if flags & _POLLOUT:
+        if flags & POLLOUT:
             with self._local_lock:
                 link.flush()
-        if flags & (_POLLIN | _POLLERR):
+        if flags & (POLLIN | POLLERR):
             try:
                 frames = link.recv_frames(RECV_BATCH)
             except local_link.LinkClosed as exc:
@@ -272,7 +191,7 @@ class EngineCacheQueueClient:
                 task = self._guarded(self._on_task, frame)
                 if task is not None:
                     out.append(task)
-        want = _POLLIN | (_POLLOUT if link.backlogged else 0)
+        want = POLLIN | (POLLOUT if link.backlogged else 0)
         if want != self._local_flags and not link.broken:
             self._poller.modify(link.fileno(), want)
             self._local_flags = want

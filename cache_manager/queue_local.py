@@ -1,10 +1,11 @@
-"""The engine's end of the local links (``local_link``): accept, read, flush and close them.
+"""The engine's end of the local links (``local_link``): accept, bind, read, flush and close them.
 
-The queue server's I/O thread owns this object: it polls the listening socket and every link,
-and hands each whole frame to the server (``on_frame``), which binds a link to a rank at its
-hello and takes results from it after.  Tasks are sent by the broadcasting thread under the
-server's send lock; a link is closed only under that lock too, so no send can reach a file
-descriptor number the kernel already gave to something else.
+The queue server's I/O thread owns this object: it polls the listening socket and every link.
+A link's first frame must be a task channel's hello in a session whose pid is the link's peer
+(``Registry.bind_local``); after it, the link carries that rank's results, each handed to the
+server's ``on_result``.  Tasks are sent by the broadcasting thread under the server's send lock;
+a link is closed only under that lock too, so no send can reach a file descriptor number the
+kernel already gave to something else.
 """
 from __future__ import annotations
 
@@ -16,20 +17,24 @@ from typing import Callable
 
 import zmq
 
+from . import wire
 from .local_link import MAX_UNBOUND_CONNECTIONS, FrameStream, LinkClosed, LocalListener
+from .queue_checks import DropLog
+from .queue_session import Registry
+from .queue_zmq import POLLERR, POLLIN, POLLOUT
 
 logger = logging.getLogger("cache_manager.engine_cache_queue")
 
-_POLLIN, _POLLOUT, _POLLERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR)
 READS_PER_WAKE = 64  # socket reads per link per wake-up, so one busy rank cannot starve the rest
 
 
 class LocalLinks:
-    def __init__(self, send_lock: threading.Lock, on_frame: Callable[[FrameStream, int, bytes], None],
-                 on_closed: Callable[[FrameStream], None], on_error: Callable[[], None]):
+    def __init__(self, secret: bytes, send_lock: threading.Lock, registry_lock: threading.Lock, registry: Registry,
+                 drop: DropLog, on_result: Callable[[int, dict, str], None], on_error: Callable[[], None]):
         self.listener = LocalListener()
-        self._send_lock = send_lock
-        self._on_frame, self._on_closed, self._on_error = on_frame, on_closed, on_error
+        self._secret = secret
+        self._send_lock, self._lock, self._reg = send_lock, registry_lock, registry
+        self._drop, self._on_result, self._on_error = drop, on_result, on_error
         self._links: dict[int, tuple[FrameStream, int]] = {}  # fd -> (link, peer pid)
         self._interest: dict[int, int] = {}  # fd -> poll flags registered
         self._unbound: collections.OrderedDict[FrameStream, None] = collections.OrderedDict()
@@ -42,11 +47,7 @@ class LocalLinks:
     def register(self, poller: zmq.Poller) -> None:
         """Poll the listener and, from now on, every link on ``poller`` (the I/O thread's)."""
         self._poller = poller
-        poller.register(self.listener.fileno(), _POLLIN)
-
-    def bound(self, link: FrameStream) -> None:
-        """The server bound ``link`` to a rank: it no longer counts against the unbound limit."""
-        self._unbound.pop(link, None)
+        poller.register(self.listener.fileno(), POLLIN)
 
     def handle(self, events: dict) -> None:
         """Serve one poll's events (I/O thread)."""
@@ -57,10 +58,10 @@ class LocalLinks:
             if entry is None:
                 continue
             link, pid = entry
-            if flags & _POLLOUT:
+            if flags & POLLOUT:
                 with self._send_lock:
                     link.flush()
-            if flags & (_POLLIN | _POLLERR) or link.broken:
+            if flags & (POLLIN | POLLERR) or link.broken:
                 self._read(link, pid)
         self._watch_backlogs()
 
@@ -73,8 +74,8 @@ class LocalLinks:
                 continue
             fd = link.fileno()
             self._links[fd] = (link, pid)
-            self._interest[fd] = _POLLIN
-            self._poller.register(fd, _POLLIN)
+            self._interest[fd] = POLLIN
+            self._poller.register(fd, POLLIN)
             self._unbound[link] = None
             while len(self._unbound) > MAX_UNBOUND_CONNECTIONS:  # connections that never said hello
                 oldest = next(iter(self._unbound))
@@ -90,14 +91,58 @@ class LocalLinks:
             if link.broken:
                 return
             try:
-                self._on_frame(link, pid, frame)
+                self._frame(link, pid, frame)
             except Exception:  # one frame's failure costs that frame, not the thread
                 self._on_error()
+
+    def _frame(self, link: FrameStream, pid: int, frame: bytes) -> None:
+        peer = f"local link of pid {pid}"
+        try:
+            env = wire.open_frame(frame, self._secret)
+        except wire.BadFrame as exc:
+            self._drop("bad frame", str(exc), peer)
+            return
+        with self._lock:
+            bound = self._reg.local_links.get(link)
+            problem = self._reg.continues(bound, env) if bound is not None else None
+        if bound is None:
+            self._bind(link, pid, env, peer)
+            return
+        if problem:
+            self._drop("replayed", problem, peer)
+            return
+        body = self._parse(env, peer)
+        if body is None:
+            return
+        if body["type"] == "result" and bound.session.live:
+            self._on_result(bound.session.rank, body, peer)
+        else:
+            self._drop("unexpected", f"{body['type']!r} on the local link of rank {bound.session.rank}", peer)
+
+    def _bind(self, link: FrameStream, pid: int, env: wire.Envelope, peer: str) -> None:
+        body = self._parse(env, peer)
+        if body is None or body["type"] != "hello" or body.get("channel") != "tasks":
+            problem = "its first frame is not a task channel's hello"
+        else:
+            with self._lock:
+                problem = self._reg.bind_local(link, env, pid)
+        if problem:  # a link is good for one session's task channel, or for nothing
+            self._drop("refused", problem, peer)
+            self.close(link, problem)
+        else:
+            self._unbound.pop(link, None)
+
+    def _parse(self, env: wire.Envelope, peer: str) -> dict | None:
+        try:
+            return wire.parse_body(env.payload)
+        except wire.BadFrame as exc:
+            self._drop("malformed", str(exc), peer)
+            return None
 
     def _watch_backlogs(self) -> None:
         """Watch for writability exactly while a link holds bytes the socket did not take."""
         for fd, (link, _) in self._links.items():
-            want = _POLLIN | (_POLLOUT if link.backlogged else 0)
+            want = POLLIN | (POLLOUT if link.backlogged else 0)
             if self._interest[fd] != want:
                 self._poller.modify(fd, want)
                 self._interest[fd] = want
@@ -112,11 +157,10 @@ class LocalLinks:
             self._poller.unregister(fd)
         if entry is not None:
             logger.info("local link of pid %d closed: %s", entry[1], reason)
-        try:
-            self._on_closed(link)
-        finally:
-            with self._send_lock:
-                link.close()
+        with self._send_lock:
+            with self._lock:
+                self._reg.unbind_local(link)  # its rank is unreachable until a new process registers
+            link.close()
 
     def close_all(self) -> None:
         for link, _ in list(self._links.values()):

@@ -1,0 +1,94 @@
+"""The zmq pieces both ends of the EngineCacheQueue share: socket limits, readiness, routing ids
+and the doorbell that wakes a thread blocked in a poll."""
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import secrets
+import threading
+
+import zmq
+
+from . import wire
+
+POLL_MS = 1000
+RECV_BATCH = 1000  # frames per socket per wake-up, so one busy socket cannot starve the others
+NONCE_BYTES = 16
+
+
+def socket_options(sock: zmq.Socket, rcvhwm: int, sndhwm: int = 0) -> None:
+    """Every socket that faces a peer: a size limit and a queue bound on what it receives.
+
+    A full receive queue of a TCP peer makes zmq stop reading that connection (back pressure),
+    it does not drop.  Sends default to no bound (SNDHWM 0): ordered task delivery must
+    never silently lose a task at a high-water mark."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.setsockopt(zmq.SNDHWM, sndhwm)
+
+
+EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum arithmetic costs a call each
+POLLOUT, POLLERR = int(zmq.POLLOUT), int(zmq.POLLERR)
+
+
+def readable(sock: zmq.Socket) -> bool:
+    """Whether a frame waits on ``sock``: asking costs far less than a receive that raises
+    ``zmq.Again``, and every batch would otherwise end in one, on the round trip's path."""
+    return bool(sock.getsockopt(EVENTS) & POLLIN)
+
+
+def routing_id(label: str) -> bytes:
+    """A routing id nobody can guess and claim first (a ROUTER refuses a second connection
+    with a routing id it already has); the label only helps reading logs."""
+    return f"{label}.".encode() + secrets.token_hex(8).encode()
+
+
+def peer_name(identity: bytes) -> str:
+    return repr(identity[:40])
+
+
+class Waker:
+    """Hands work to a thread blocked in zmq poll: a SimpleQueue plus an inproc doorbell."""
+
+    _ids = itertools.count()
+
+    def __init__(self, ctx: zmq.Context):
+        endpoint = f"inproc://ctm-waker-{os.getpid()}-{next(self._ids)}"
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.bind(endpoint)
+        self._push = ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(endpoint)
+        self._lock = threading.Lock()
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, item) -> None:
+        self.items.put(item)
+        self.ring()
+
+    def ring(self) -> None:
+        """Wake the owner with no item: it re-reads its own state."""
+        with self._lock:
+            try:
+                self._push.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # the doorbell is already full of rings: the owner will wake
+                pass
+
+    def drain(self) -> list:
+        while True:
+            try:
+                self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        out = []
+        while True:
+            try:
+                out.append(self.items.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self._push.close(0)
+        self.pull.close(0)
