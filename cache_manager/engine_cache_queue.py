@@ -25,7 +25,7 @@ a client (``queue_client``, a DEALER socket).  Contracts:
   dropped, counted and logged; nothing runs.  The server binds loopback unless told otherwise.
 * **Liveness.** No iteration of the I/O thread, and no frame, can kill it: a failure is
   logged, counted (``loop_errors``) and the loop goes on.
-* **No busy loop.** Both sides block in ``zmq.Poller.poll`` with a timeout.
+* **No busy loop.** Both sides block in one poll(2) with a timeout (``queue_zmq.EdgePoller``).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from .queue_checks import (DropLog, LoopErrors, Refused, barrier_fields, is_int,
                            unsupported_result_fields)
 from .queue_barriers import Barriers
 from .queue_client import EngineCacheQueueClient
-from .queue_zmq import NONCE_BYTES, POLL_MS, RECV_BATCH, Waker, peer_name, readable, socket_options
+from .queue_zmq import NONCE_BYTES, POLL_MS, RECV_BATCH, EdgePoller, Waker, peer_name, readable, socket_options
 from .queue_local import LocalLinks
 from .queue_session import CONTROL, DOWN, TASKS, UP, Registry, Session, stream
 
@@ -100,6 +100,7 @@ class EngineCacheQueueServer:
         self._drop = DropLog(logger)
         self._errors = LoopErrors(logger, "engine cache queue")
         self._stop = threading.Event()
+        self._poller = EdgePoller()  # the I/O thread's
         # Offered to every rank; one on another host cannot reach the path and takes the task port.
         self._local = LocalLinks(secret, self._send_lock, self._lock, self._reg, self._drop, self._result,
                                  self._errors) if local_links else None
@@ -240,9 +241,9 @@ class EngineCacheQueueServer:
 
     # -- I/O thread --------------------------------------------------------------
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._waker.pull, zmq.POLLIN)
+        poller = self._poller
+        poller.add_socket(self._router)
+        poller.add_socket(self._waker.pull)
         if self._local is not None:
             self._local.register(poller)
         while not self._stop.is_set():
@@ -252,14 +253,16 @@ class EngineCacheQueueServer:
                 self._errors()
                 self._stop.wait(0.01)  # a fault that repeats every iteration must not spin a core
 
-    def _run_once(self, poller: zmq.Poller) -> None:
-        events = dict(poller.poll(self._poll_timeout_ms()))
-        if self._waker.pull in events:
+    def _run_once(self, poller: EdgePoller) -> None:
+        ready, fds = poller.poll(self._poll_timeout_ms())
+        if self._waker.pull in ready:
             self._waker.drain()  # rung to stop the loop, or to watch a local link's backlog
-        if self._router in events:
-            for _ in range(RECV_BATCH):  # bounded batch, then service the doorbell and deadlines again
+        if self._router in ready:
+            for i in range(RECV_BATCH):  # bounded batch, then service the doorbell and deadlines again
                 if not readable(self._router):
                     break
+                if i == RECV_BATCH - 1:
+                    poller.touch(self._router)  # more may wait: look again before blocking
                 try:
                     frames = self._router.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -269,7 +272,7 @@ class EngineCacheQueueServer:
                 except Exception:  # one frame's failure costs that frame, not the thread
                     self._errors()
         if self._local is not None:
-            self._local.handle(events)
+            self._local.handle(fds)
         self._expire_barriers()
 
     def _poll_timeout_ms(self) -> int:
@@ -285,6 +288,8 @@ class EngineCacheQueueServer:
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer disconnected; EAGAIN: it does not read
             logger.warning("cannot reach rank %d's connection %s: %s", session.rank, peer_name(session.control), exc)
             return False
+        finally:
+            self._poller.touch(self._router)  # the send may have taken the socket's signal in passing
         session.advance(CONTROL)
         return True
 

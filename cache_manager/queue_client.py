@@ -19,8 +19,8 @@ from . import local_link, wire
 from .cache_tasks import RankResult, result_body
 from .queue_checks import MAX_BARRIER_TIMEOUT, MAX_NAME_CHARS, DropLog, LoopErrors, is_int
 from .queue_session import CONTROL, DOWN, FIRST_RESULTS, MAX_RESULT_CHANNELS, TASKS, UP, stream
-from .queue_zmq import (NONCE_BYTES, POLL_MS, POLLERR, POLLIN, POLLOUT, RECV_BATCH, Waker, readable, routing_id,
-                        socket_options)
+from .queue_zmq import (FD_GONE, FD_IN, FD_OUT, NONCE_BYTES, POLL_MS, RECV_BATCH, EdgePoller, Waker, readable,
+                        routing_id, socket_options)
 
 logger = logging.getLogger("cache_manager.engine_cache_queue")
 
@@ -52,9 +52,9 @@ class EngineCacheQueueClient:
         self._sock.connect(address)
         self._waker = Waker(self._ctx)
         self._task_sock: zmq.Socket | None = None
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self._waker.pull, zmq.POLLIN)
+        self._poller = EdgePoller()
+        self._poller.add_socket(self._sock)
+        self._poller.add_socket(self._waker.pull)
         self._session = wire.NO_SESSION
         self._expect = {CONTROL: 1, TASKS: 0}  # next counter per stream down (the welcome was 0)
         self._sent_control = 0
@@ -130,8 +130,8 @@ class EngineCacheQueueClient:
             return False
         link.send(wire.encode({"type": "hello", "channel": "tasks"}, self._secret, self._session,
                               stream(TASKS, UP), 0))
-        self._local, self._local_sent, self._local_flags = link, 1, POLLIN
-        self._poller.register(link.fileno(), POLLIN)
+        self._local, self._local_sent, self._local_flags = link, 1, FD_IN
+        self._poller.register(link.fileno(), FD_IN)
         return True
 
     def _open_task_channel(self, host: str, port: int) -> None:
@@ -141,12 +141,13 @@ class EngineCacheQueueClient:
         self._task_sock.connect(f"{host}:{port}")
         self._task_sock.send(wire.encode({"type": "hello", "channel": "tasks"}, self._secret, self._session,
                                          stream(TASKS, UP), 0))
-        self._poller.register(self._task_sock, zmq.POLLIN)
+        self._poller.add_socket(self._task_sock)
 
     def _send_control(self, body: dict) -> None:
         with self._control_lock:
             self._sock.send(wire.encode(body, self._secret, self._session, stream(CONTROL, UP), self._sent_control))
             self._sent_control += 1
+            self._poller.touch(self._sock)  # the send may have taken the socket's signal in passing
 
     # -- receiving ------------------------------------------------------------------
     def poll(self, timeout_ms: int = POLL_MS) -> list[dict]:
@@ -155,29 +156,29 @@ class EngineCacheQueueClient:
         Never raises for what a peer sent: a bad frame is dropped, a failure in handling one
         is logged and counted, and the poll goes on with the next."""
         out: list[dict] = []
-        events = dict(self._poller.poll(timeout_ms))
-        if self._waker.pull in events:
+        ready, fds = self._poller.poll(timeout_ms)
+        if self._waker.pull in ready:
             for body in self._waker.drain():
                 self._guarded(self._send_control, body)
-        if self._sock in events:
+        if self._sock in ready:
             for frame in self._recv_batch(self._sock):
                 self._guarded(self._on_control, frame)
-        if self._task_sock is not None and self._task_sock in events:
+        if self._task_sock is not None and self._task_sock in ready:
             for frame in self._recv_batch(self._task_sock):
                 task = self._guarded(self._on_task, frame)
                 if task is not None:
                     out.append(task)
         if self._local is not None:
-            self._serve_local_link(events, out)
+            self._serve_local_link(fds, out)
         return out
 
-    def _serve_local_link(self, events: dict, out: list[dict]) -> None:
+    def _serve_local_link(self, fds: dict[int, int], out: list[dict]) -> None:
         link = self._local
-        flags = events.get(link.fileno(), 0)
-        if flags & POLLOUT:
+        flags = fds.get(link.fileno(), 0)
+        if flags & FD_OUT:
             with self._local_lock:
                 link.flush()
-        if flags & (POLLIN | POLLERR):
+        if flags & (FD_IN | FD_GONE):
             try:
                 frames = link.recv_frames(RECV_BATCH)
             except local_link.LinkClosed as exc:
@@ -191,7 +192,7 @@ class EngineCacheQueueClient:
                 task = self._guarded(self._on_task, frame)
                 if task is not None:
                     out.append(task)
-        want = POLLIN | (POLLOUT if link.backlogged else 0)
+        want = FD_IN | (FD_OUT if link.backlogged else 0)
         if want != self._local_flags and not link.broken:
             self._poller.modify(link.fileno(), want)
             self._local_flags = want
@@ -203,16 +204,16 @@ class EngineCacheQueueClient:
             self._errors()
             return None
 
-    @staticmethod
-    def _recv_batch(sock: zmq.Socket) -> list[bytes]:
+    def _recv_batch(self, sock: zmq.Socket) -> list[bytes]:
         out = []
         for _ in range(RECV_BATCH):
             if not readable(sock):
-                break
+                return out
             try:
                 out.append(sock.recv(zmq.NOBLOCK))
             except zmq.Again:
-                break
+                return out
+        self._poller.touch(sock)  # more may wait: look again before blocking
         return out
 
     def _open(self, frame: bytes, channel: int) -> dict | None:

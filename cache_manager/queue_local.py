@@ -15,13 +15,12 @@ import os
 import threading
 from typing import Callable
 
-import zmq
 
 from . import wire
 from .local_link import MAX_UNBOUND_CONNECTIONS, FrameStream, LinkClosed, LocalListener
 from .queue_checks import DropLog
 from .queue_session import Registry
-from .queue_zmq import POLLERR, POLLIN, POLLOUT
+from .queue_zmq import FD_GONE, FD_IN, FD_OUT, EdgePoller
 
 logger = logging.getLogger("cache_manager.engine_cache_queue")
 
@@ -38,30 +37,30 @@ class LocalLinks:
         self._links: dict[int, tuple[FrameStream, int]] = {}  # fd -> (link, peer pid)
         self._interest: dict[int, int] = {}  # fd -> poll flags registered
         self._unbound: collections.OrderedDict[FrameStream, None] = collections.OrderedDict()
-        self._poller: zmq.Poller | None = None
+        self._poller: EdgePoller | None = None
 
     @property
     def path(self) -> str:
         return self.listener.path
 
-    def register(self, poller: zmq.Poller) -> None:
+    def register(self, poller: EdgePoller) -> None:
         """Poll the listener and, from now on, every link on ``poller`` (the I/O thread's)."""
         self._poller = poller
-        poller.register(self.listener.fileno(), POLLIN)
+        poller.register(self.listener.fileno(), FD_IN)
 
-    def handle(self, events: dict) -> None:
-        """Serve one poll's events (I/O thread)."""
-        if self.listener.fileno() in events:
+    def handle(self, fds: dict[int, int]) -> None:
+        """Serve one poll's events on raw descriptors (I/O thread)."""
+        if self.listener.fileno() in fds:
             self._accept()
-        for fd, flags in events.items():
-            entry = self._links.get(fd) if type(fd) is int else None
+        for fd, flags in fds.items():
+            entry = self._links.get(fd)
             if entry is None:
                 continue
             link, pid = entry
-            if flags & POLLOUT:
+            if flags & FD_OUT:
                 with self._send_lock:
                     link.flush()
-            if flags & (POLLIN | POLLERR) or link.broken:
+            if flags & (FD_IN | FD_GONE) or link.broken:
                 self._read(link, pid)
         self._watch_backlogs()
 
@@ -74,8 +73,8 @@ class LocalLinks:
                 continue
             fd = link.fileno()
             self._links[fd] = (link, pid)
-            self._interest[fd] = POLLIN
-            self._poller.register(fd, POLLIN)
+            self._interest[fd] = FD_IN
+            self._poller.register(fd, FD_IN)
             self._unbound[link] = None
             while len(self._unbound) > MAX_UNBOUND_CONNECTIONS:  # connections that never said hello
                 oldest = next(iter(self._unbound))
@@ -142,7 +141,7 @@ class LocalLinks:
     def _watch_backlogs(self) -> None:
         """Watch for writability exactly while a link holds bytes the socket did not take."""
         for fd, (link, _) in self._links.items():
-            want = POLLIN | (POLLOUT if link.backlogged else 0)
+            want = FD_IN | (FD_OUT if link.backlogged else 0)
             if self._interest[fd] != want:
                 self._poller.modify(fd, want)
                 self._interest[fd] = want

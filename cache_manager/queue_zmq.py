@@ -1,11 +1,12 @@
-"""The zmq pieces both ends of the EngineCacheQueue share: socket limits, readiness, routing ids
-and the doorbell that wakes a thread blocked in a poll."""
+"""The zmq pieces both ends of the EngineCacheQueue share: socket limits, readiness, routing ids,
+the doorbell that wakes a thread blocked in a poll, and the poller both loops block in."""
 from __future__ import annotations
 
 import itertools
 import os
 import queue
 import secrets
+import select
 import threading
 
 import zmq
@@ -30,7 +31,9 @@ def socket_options(sock: zmq.Socket, rcvhwm: int, sndhwm: int = 0) -> None:
 
 
 EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum arithmetic costs a call each
-POLLOUT, POLLERR = int(zmq.POLLOUT), int(zmq.POLLERR)
+# Flags of raw descriptors in ``EdgePoller`` (poll(2)'s, not zmq's: POLLOUT differs).
+FD_IN, FD_OUT = select.POLLIN, select.POLLOUT
+FD_GONE = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
 def readable(sock: zmq.Socket) -> bool:
@@ -92,3 +95,50 @@ class Waker:
     def close(self) -> None:
         self._push.close(0)
         self.pull.close(0)
+
+
+class EdgePoller:
+    """One poll(2) over raw descriptors and zmq sockets, owned by one thread.
+
+    ``zmq.Poller`` asks every zmq socket for ``ZMQ_EVENTS`` before and after each wait, and each
+    ask is a poll(2) and a getpid(2) inside libzmq: ten system calls a wake-up where one would
+    do.  Here a zmq socket's ``ZMQ_FD`` is in the wait, and its events are asked only when that
+    descriptor fired, or when the owner ``touch``-ed the socket: after sending on it (a send may
+    take the signal in passing) or after a receive batch that stopped before the socket was empty.
+    The owner must drain a socket ``poll`` reports until ``readable`` says no, or touch it."""
+
+    def __init__(self) -> None:
+        self._poll = select.poll()
+        self._sockets: dict[int, zmq.Socket] = {}  # ZMQ_FD -> socket
+        self._touched: set[zmq.Socket] = set()
+
+    def add_socket(self, sock: zmq.Socket) -> None:
+        fd = sock.getsockopt(zmq.FD)
+        self._sockets[fd] = sock
+        self._poll.register(fd, FD_IN)
+        self._touched.add(sock)  # whatever arrived before it was added
+
+    def touch(self, sock: zmq.Socket) -> None:
+        self._touched.add(sock)
+
+    def register(self, fd: int, flags: int) -> None:
+        self._poll.register(fd, flags)
+
+    def modify(self, fd: int, flags: int) -> None:
+        self._poll.modify(fd, flags)
+
+    def unregister(self, fd: int) -> None:
+        self._poll.unregister(fd)
+
+    def poll(self, timeout_ms: int) -> tuple[set[zmq.Socket], dict[int, int]]:
+        """Wait up to ``timeout_ms`` (not at all while a socket is touched); returns the zmq sockets
+        with a frame to read and the raw descriptors' events."""
+        look, self._touched = self._touched, set()
+        fds: dict[int, int] = {}
+        for fd, flags in self._poll.poll(0 if look else timeout_ms):
+            sock = self._sockets.get(fd)
+            if sock is None:
+                fds[fd] = flags
+            else:
+                look.add(sock)
+        return {sock for sock in look if readable(sock)}, fds

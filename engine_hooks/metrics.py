@@ -35,6 +35,13 @@ in one process never collide.  Metrics (all prefixed ``ctm_``):
     ``RankResult.storage_calls`` / ``storage_failures``, 0 where a result lacks them);
     ``direction``: read, write; ``backend``: the name given to ``bind``.
 
+Finished tasks are counted in batches: ``observe`` runs on the engine's queue thread right after
+a caller's future resolved, while that caller waits for the GIL, so it only queues the task.
+The queue is counted into the metrics at every collection (a scrape, ``snapshot``), at every
+``flush`` (the service's supervisor calls it each heartbeat) and whenever it holds
+``MAX_UNCOUNTED`` tasks.  In a loop of one-block swaps, counting at once cost 33 us of a 335 us
+round trip at TP=1.
+
 Use::
 
     metrics = CacheMetrics()
@@ -45,6 +52,7 @@ Use::
 """
 from __future__ import annotations
 
+import collections
 import importlib.metadata
 import logging
 import math
@@ -74,6 +82,7 @@ RESULTS = ("served", "missed")
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0, 30.0)
 TIMED_OUTCOMES = ("ok", "failed", "timed_out")
+MAX_UNCOUNTED = 4096  # finished tasks queued before the observer counts them itself
 
 
 def kind_of(task: Mapping[str, Any]) -> str:
@@ -109,9 +118,23 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+class _CountingRegistry(CollectorRegistry):
+    """A registry that counts the queued tasks before every collection, so a scrape is exact."""
+
+    def __init__(self, before_collect: Callable[[], None]):
+        super().__init__(auto_describe=True)
+        self._before_collect = before_collect
+
+    def collect(self):  # type: ignore[override]
+        self._before_collect()
+        yield from super().collect()
+
+
 class CacheMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self._uncounted: collections.deque = collections.deque()
+        self._count_lock = threading.Lock()
+        self.registry = _CountingRegistry(self.flush)
         r = self.registry
         self.latency = Histogram("ctm_task_latency_seconds", "Task latency, submission to the last rank's answer",
                                  ["kind"], buckets=LATENCY_BUCKETS, registry=r)
@@ -176,7 +199,18 @@ class CacheMetrics:
             return math.nan
 
     def observe(self, task: Mapping[str, Any], outcome: str, seconds: float, results: Mapping[int, Any]) -> None:
-        """The TaskTracker observer: one call per finished task."""
+        """The TaskTracker observer: one call per finished task.  Queues it (see the module docstring)."""
+        self._uncounted.append((task, outcome, seconds, results))
+        if len(self._uncounted) >= MAX_UNCOUNTED:
+            self.flush()
+
+    def flush(self) -> None:
+        """Count every queued task into the metrics now."""
+        with self._count_lock:
+            while self._uncounted:
+                self._count(*self._uncounted.popleft())
+
+    def _count(self, task: Mapping[str, Any], outcome: str, seconds: float, results: Mapping[int, Any]) -> None:
         kind = kind_of(task)
         self._child(self.tasks, kind, outcome).inc()
         if outcome in TIMED_OUTCOMES and seconds >= 0:

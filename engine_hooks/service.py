@@ -445,6 +445,7 @@ class CacheTransferService:
         now = time.monotonic()
         if now - last_beat >= _BEAT_S:
             self._beat()
+            self.metrics.flush()
             self.server.pump()  # registers task connections, drains anything else sent there
             last_beat = now
         for rank, proc in list(self.procs.items()):

@@ -68,6 +68,23 @@ def test_observe_counts_outcomes_bytes_and_latency(metrics):
                                              {"kind": "swap_to_gpu", "le": "+Inf"}) == 2
 
 
+def test_finished_tasks_are_counted_by_every_collection_flush_and_full_queue(metrics, monkeypatch):
+    """``observe`` only queues (it runs while a caller waits for the GIL); what is queued is in
+    every scrape, and counted by ``flush`` and by a full queue without anyone scraping."""
+    port = metrics.serve(0)
+    metrics.observe(task(CacheStatus.SWAP2CPU), "ok", 0.002, {0: result(bytes_moved=10)})
+    assert metrics.tasks.labels("swap_to_cpu", "ok")._value.get() == 0, "counted on the queue thread"
+    assert scrape(port)[("ctm_tasks_total", (("kind", "swap_to_cpu"), ("outcome", "ok")))] == 1
+    metrics.observe(task(CacheStatus.SWAP2GPU), "ok", 0.002, {0: result(bytes_moved=20)})
+    metrics.flush()
+    assert metrics.bytes_moved.labels("host_to_device")._value.get() == 20
+    monkeypatch.setattr("engine_hooks.metrics.MAX_UNCOUNTED", 3)
+    for _ in range(3):
+        metrics.observe(task(CacheStatus.CTRL), "ok", 0.001, {})
+    assert metrics.tasks.labels("control", "ok")._value.get() == 3
+    assert metrics.snapshot()["tasks_total"]["control"]["ok"] == 3
+
+
 def test_storage_calls_from_rank_results(metrics):
     metrics.bind(backend="file")
     metrics.observe(task(CacheStatus.GPU2STORAGE), "ok", 0.01,
