@@ -263,18 +263,29 @@ class CacheTransferService:
         flags.update(self.extra_flags)
         return flags
 
+    def _rank_ready(self, rank: int) -> bool:
+        """Registered with the queue (so this process got through its start, caches attached), and
+        serving: inited.  A rank restarted during an RL clear is ready too once it cleared itself
+        (``cache_transfer_inited`` and ``cache_ready`` back to 0, which it does within a
+        millisecond of its start: waiting for inited alone missed that window)."""
+        if rank not in self.server.registered_ranks():
+            return False
+        if self.signals[CACHE_TRANSFER_INITED_SIGNAL].value[rank] == 1:
+            return True
+        clearing = int(self.signals[KV_CACHE_STATUS_SIGNAL].value[0]) in (KVCacheStatus.CLEARING, KVCacheStatus.CLEARED)
+        return clearing and self.signals[CACHE_READY_SIGNAL].value[rank] == 0
+
     def _launch(self, rank: int) -> RankProcess:
         env = {wire.SECRET_ENV: self._secret.hex(), **self.extra_env}
         return launch(rank, self.ctm_flags(rank), self.log_dir, env)
 
     def _wait_ready(self, ranks: list[int]) -> None:
         deadline = time.monotonic() + self.ready_timeout
-        inited = self.signals[CACHE_TRANSFER_INITED_SIGNAL]
         waiting = set(ranks)
         while waiting:
             for rank in sorted(waiting):
                 proc = self.procs[rank]
-                if inited.value[rank] == 1 and rank in self.server.registered_ranks():
+                if self._rank_ready(rank):
                     waiting.discard(rank)
                 elif not proc.alive():
                     raise StartupError(f"CTM {proc.describe_failure()}")
