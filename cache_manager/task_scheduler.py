@@ -137,6 +137,8 @@ class TaskScheduler:
 
     def expire_waiting(self) -> None:
         """Answer the waiting tasks whose deadline passed (they will never start)."""
+        if not self._deadlines:  # the serve loop asks after every poll; usually nothing waits
+            return
         now = time.monotonic()
         expired = []
         with self._lock:
@@ -150,6 +152,8 @@ class TaskScheduler:
             self._drop(e, "waited for earlier tasks on the same blocks past its deadline")
 
     def next_deadline(self) -> float | None:
+        if not self._deadlines:
+            return None
         with self._lock:
             while self._deadlines and self._deadlines[0][2] not in self._waiting:
                 heapq.heappop(self._deadlines)  # started or dropped since: no longer a deadline to watch
