@@ -211,3 +211,17 @@ def test_check_plain_names_what_is_not_bounded_plain_data(body, why):
     else:
         with pytest.raises(wire.BadFrame, match=re.escape(why)):
             wire.check_plain(body, max_depth=4, max_items=100)
+
+
+@pytest.mark.parametrize("key_bytes", [0, 1, 31, 32, 63, 64, 65, 200])
+def test_frame_macs_are_hmac_sha256_for_keys_of_every_length(key_bytes):
+    """The MAC comes from precomputed key states (wire._mac), not hmac.new per frame: it must be
+    the same bytes, keys longer than SHA-256's 64-byte block (hashed first) included."""
+    import hmac
+    import os
+
+    key = os.urandom(key_bytes)
+    for data in (b"", b"x", os.urandom(1000)):
+        assert wire._mac(key, data) == hmac.digest(key, data, "sha256")
+    frame = wire.encode({"type": "t", "v": 1}, key)
+    assert frame[-wire.TAG_BYTES:] == hmac.digest(key, frame[:-wire.TAG_BYTES], "sha256")
