@@ -103,7 +103,7 @@ class EngineCacheQueueServer:
         self._poller = EdgePoller()  # the I/O thread's
         # Offered to every rank; one on another host cannot reach the path and takes the task port.
         self._local = LocalLinks(secret, self._send_lock, self._lock, self._reg, self._drop, self._result,
-                                 self._errors) if local_links else None
+                                 self._errors, self._waker.ring) if local_links else None
         self._thread = threading.Thread(target=self._run, name="engine-cache-queue", daemon=True)
         self._thread.start()
 
@@ -166,11 +166,8 @@ class EngineCacheQueueServer:
         frame = wire.seal(payload, self._secret, session.sid, stream(TASKS, DOWN), session.next_counter(TASKS))
         link = session.local
         if link is not None:
-            backlogged = link.backlogged
             if not link.send(frame):
                 return False
-            if link.backlogged and not backlogged:
-                self._waker.ring()  # the I/O thread watches for room from now on
             session.advance(TASKS)
             return True
         try:

@@ -19,17 +19,21 @@ Framing: a 4-byte big-endian length, then the frame.  A length over ``wire.MAX_F
 cannot be resynchronised from, so it closes the connection (``LinkClosed``).
 
 Threads: ``send``, ``flush`` and ``drain`` of one ``FrameStream`` must be serialised by its
-owner (one lock per stream); ``recv_frames`` belongs to the one thread that polls it.  Sends
-never block: what the socket does not take waits, in order, in the stream's backlog, which the
-polling thread flushes when the socket turns writable.
+owner (one lock per stream); ``recv_frames`` and ``serve`` belong to the one thread that polls
+it.  Sends never block: what the socket does not take waits, in order, in the stream's backlog.
+The first such send calls ``on_backlog`` (the owner's doorbell), and the polling thread, which
+waits for ``wanted_events``, flushes the backlog in ``serve`` once the socket turns writable.
 """
 from __future__ import annotations
 
 import collections
 import secrets
+import select
 import socket
 import struct
+import threading
 import time
+from typing import Callable
 
 from . import wire
 
@@ -41,6 +45,7 @@ _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 # A peer that is gone is an error to handle, never a signal: an engine that embeds Python need
 # not ignore SIGPIPE (zmq sends with this flag too).
 _NO_SIGPIPE = socket.MSG_NOSIGNAL
+_READ_EVENTS = select.POLLIN | select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
 class LinkClosed(ConnectionError):
@@ -50,7 +55,7 @@ class LinkClosed(ConnectionError):
 class FrameStream:
     """Length-prefixed frames over one connected, non-blocking Unix stream socket."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, on_backlog: Callable[[], None] | None = None):
         sock.setblocking(False)
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:
@@ -60,6 +65,7 @@ class FrameStream:
         self.sock = sock
         self._inbox = bytearray()
         self._backlog: collections.deque[memoryview] = collections.deque()
+        self._on_backlog = on_backlog
         self.broken = False
 
     def fileno(self) -> int:
@@ -68,6 +74,11 @@ class FrameStream:
     @property
     def backlogged(self) -> bool:
         return bool(self._backlog)
+
+    @property
+    def wanted_events(self) -> int:
+        """What its poller should wait for: frames, and room while bytes wait in the backlog."""
+        return select.POLLIN | (select.POLLOUT if self._backlog else 0)
 
     def send(self, frame: bytes) -> bool:
         """Queue ``frame`` after every earlier one and send what the socket takes now.
@@ -87,6 +98,8 @@ class FrameStream:
             return False
         if sent < len(data):
             self._backlog.append(memoryview(data)[sent:])
+            if self._on_backlog is not None:
+                self._on_backlog()  # the poller waits for room from now on
         return True
 
     def flush(self) -> bool:
@@ -114,6 +127,17 @@ class FrameStream:
             if self.backlogged:
                 time.sleep(0.001)
         return not self.backlogged
+
+    def serve(self, events: int, send_lock: threading.Lock, limit: int) -> list[bytes]:
+        """One poll's ``events`` on this link: flush the backlog when there is room (under the
+        owner's send lock), and read when frames came, the peer went, or a send found the link
+        broken; returns the whole frames read.  Raises ``LinkClosed``."""
+        if events & select.POLLOUT:
+            with send_lock:
+                self.flush()
+        if events & _READ_EVENTS or self.broken:
+            return self.recv_frames(limit)
+        return []
 
     def recv_frames(self, limit: int) -> list[bytes]:
         """The whole frames that arrived, at most ``limit`` reads' worth; raises ``LinkClosed``."""
@@ -166,7 +190,7 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
-def connect(path: str, timeout: float = 5.0) -> FrameStream:
+def connect(path: str, on_backlog: Callable[[], None] | None = None, timeout: float = 5.0) -> FrameStream:
     """Connect to an engine's local link at ``path``; raises ``OSError`` if there is none here."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -175,7 +199,7 @@ def connect(path: str, timeout: float = 5.0) -> FrameStream:
     except OSError:
         sock.close()
         raise
-    return FrameStream(sock)
+    return FrameStream(sock, on_backlog)
 
 
 class LocalListener:
@@ -195,7 +219,7 @@ class LocalListener:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def accept(self) -> list[tuple[FrameStream, int, int]]:
+    def accept(self, on_backlog: Callable[[], None] | None = None) -> list[tuple[FrameStream, int, int]]:
         """Every waiting connection, with its peer's (pid, uid)."""
         out = []
         while True:
@@ -208,7 +232,7 @@ class LocalListener:
             except OSError:
                 conn.close()
                 continue
-            out.append((FrameStream(conn), pid, uid))
+            out.append((FrameStream(conn, on_backlog), pid, uid))
 
     def close(self) -> None:
         self.sock.close()

@@ -19,8 +19,7 @@ from . import local_link, wire
 from .cache_tasks import RankResult, result_body
 from .queue_checks import MAX_BARRIER_TIMEOUT, MAX_NAME_CHARS, DropLog, LoopErrors, is_int
 from .queue_session import CONTROL, DOWN, FIRST_RESULTS, MAX_RESULT_CHANNELS, TASKS, UP, stream
-from .queue_zmq import (FD_GONE, FD_IN, FD_OUT, NONCE_BYTES, POLL_MS, RECV_BATCH, EdgePoller, Waker, readable,
-                        routing_id, socket_options)
+from .queue_zmq import NONCE_BYTES, POLL_MS, RECV_BATCH, EdgePoller, Waker, readable, routing_id, socket_options
 
 logger = logging.getLogger("cache_manager.engine_cache_queue")
 
@@ -71,7 +70,6 @@ class EngineCacheQueueClient:
         self._local: local_link.FrameStream | None = None  # the task channel, on the engine's host
         self._local_lock = threading.Lock()  # orders result frames and their counters on it
         self._local_sent = 0
-        self._local_flags = 0
         self._handshake(address, hello_timeout)
 
     @property
@@ -123,15 +121,15 @@ class EngineCacheQueueClient:
     def _open_local_link(self, path: str) -> bool:
         """Take the task channel on the engine's local link; False if there is none on this host."""
         try:
-            link = local_link.connect(path)
+            link = local_link.connect(path, on_backlog=self._waker.ring)
         except OSError as exc:
             logger.info("rank %d: no local link at %r (%s): tasks come on the task port", self.rank, path,
                         exc.strerror)
             return False
         link.send(wire.encode({"type": "hello", "channel": "tasks"}, self._secret, self._session,
                               stream(TASKS, UP), 0))
-        self._local, self._local_sent, self._local_flags = link, 1, FD_IN
-        self._poller.register(link.fileno(), FD_IN)
+        self._local, self._local_sent = link, 1
+        self._poller.watch(link.fileno(), link.wanted_events)
         return True
 
     def _open_task_channel(self, host: str, port: int) -> None:
@@ -174,28 +172,21 @@ class EngineCacheQueueClient:
 
     def _serve_local_link(self, fds: dict[int, int], out: list[dict]) -> None:
         link = self._local
-        flags = fds.get(link.fileno(), 0)
-        if flags & FD_OUT:
+        if link.fileno() < 0:
+            return  # closed below, on an earlier poll
+        try:
+            frames = link.serve(fds.get(link.fileno(), 0), self._local_lock, RECV_BATCH)
+        except local_link.LinkClosed as exc:
+            logger.error("rank %d: the engine's local link closed (%s): no more tasks reach this rank", self.rank, exc)
+            self._poller.unregister(link.fileno())
             with self._local_lock:
-                link.flush()
-        if flags & (FD_IN | FD_GONE):
-            try:
-                frames = link.recv_frames(RECV_BATCH)
-            except local_link.LinkClosed as exc:
-                logger.error("rank %d: the engine's local link closed (%s): no more tasks reach this rank", self.rank,
-                             exc)
-                self._poller.unregister(link.fileno())
-                with self._local_lock:
-                    link.close()
-                return
-            for frame in frames:
-                task = self._guarded(self._on_task, frame)
-                if task is not None:
-                    out.append(task)
-        want = FD_IN | (FD_OUT if link.backlogged else 0)
-        if want != self._local_flags and not link.broken:
-            self._poller.modify(link.fileno(), want)
-            self._local_flags = want
+                link.close()
+            return
+        for frame in frames:
+            task = self._guarded(self._on_task, frame)
+            if task is not None:
+                out.append(task)
+        self._poller.watch(link.fileno(), link.wanted_events)
 
     def _guarded(self, fn, *args):
         try:
@@ -268,13 +259,10 @@ class EngineCacheQueueClient:
         if link is not None:
             body = result_body(result)
             with self._local_lock:
-                backlogged = link.backlogged
                 sent = link.send(wire.encode(body, self._secret, self._session, stream(TASKS, UP), self._local_sent))
                 self._local_sent += 1
             if not sent:
                 logger.error("rank %d: result of task %s lost: the local link is closed", self.rank, result.task_id)
-            elif link.backlogged and not backlogged:
-                self._waker.ring()  # the poll thread watches for room from now on
             return
         channel = getattr(self._thread_local, "channel", None)
         if channel is None:

@@ -20,7 +20,7 @@ from . import wire
 from .local_link import MAX_UNBOUND_CONNECTIONS, FrameStream, LinkClosed, LocalListener
 from .queue_checks import DropLog
 from .queue_session import Registry
-from .queue_zmq import FD_GONE, FD_IN, FD_OUT, EdgePoller
+from .queue_zmq import FD_IN, EdgePoller
 
 logger = logging.getLogger("cache_manager.engine_cache_queue")
 
@@ -29,13 +29,13 @@ READS_PER_WAKE = 64  # socket reads per link per wake-up, so one busy rank canno
 
 class LocalLinks:
     def __init__(self, secret: bytes, send_lock: threading.Lock, registry_lock: threading.Lock, registry: Registry,
-                 drop: DropLog, on_result: Callable[[int, dict, str], None], on_error: Callable[[], None]):
+                 drop: DropLog, on_result: Callable[[int, dict, str], None], on_error: Callable[[], None],
+                 wake: Callable[[], None]):
         self.listener = LocalListener()
         self._secret = secret
         self._send_lock, self._lock, self._reg = send_lock, registry_lock, registry
-        self._drop, self._on_result, self._on_error = drop, on_result, on_error
+        self._drop, self._on_result, self._on_error, self._wake = drop, on_result, on_error, wake
         self._links: dict[int, tuple[FrameStream, int]] = {}  # fd -> (link, peer pid)
-        self._interest: dict[int, int] = {}  # fd -> poll flags registered
         self._unbound: collections.OrderedDict[FrameStream, None] = collections.OrderedDict()
         self._poller: EdgePoller | None = None
 
@@ -46,7 +46,7 @@ class LocalLinks:
     def register(self, poller: EdgePoller) -> None:
         """Poll the listener and, from now on, every link on ``poller`` (the I/O thread's)."""
         self._poller = poller
-        poller.register(self.listener.fileno(), FD_IN)
+        poller.watch(self.listener.fileno(), FD_IN)
 
     def handle(self, fds: dict[int, int]) -> None:
         """Serve one poll's events on raw descriptors (I/O thread)."""
@@ -56,16 +56,12 @@ class LocalLinks:
             entry = self._links.get(fd)
             if entry is None:
                 continue
-            link, pid = entry
-            if flags & FD_OUT:
-                with self._send_lock:
-                    link.flush()
-            if flags & (FD_IN | FD_GONE) or link.broken:
-                self._read(link, pid)
-        self._watch_backlogs()
+            self._read(*entry, flags)
+        for fd, (link, _) in self._links.items():
+            self._poller.watch(fd, link.wanted_events)
 
     def _accept(self) -> None:
-        for link, pid, uid in self.listener.accept():
+        for link, pid, uid in self.listener.accept(on_backlog=self._wake):
             if uid != os.geteuid():
                 logger.warning("refused a local link from pid %d of uid %d (the engine runs as uid %d)",
                                pid, uid, os.geteuid())
@@ -73,16 +69,15 @@ class LocalLinks:
                 continue
             fd = link.fileno()
             self._links[fd] = (link, pid)
-            self._interest[fd] = FD_IN
-            self._poller.register(fd, FD_IN)
+            self._poller.watch(fd, link.wanted_events)
             self._unbound[link] = None
             while len(self._unbound) > MAX_UNBOUND_CONNECTIONS:  # connections that never said hello
                 oldest = next(iter(self._unbound))
                 self.close(oldest, "too many local links without a hello")
 
-    def _read(self, link: FrameStream, pid: int) -> None:
+    def _read(self, link: FrameStream, pid: int, events: int) -> None:
         try:
-            frames = link.recv_frames(READS_PER_WAKE)
+            frames = link.serve(events, self._send_lock, READS_PER_WAKE)
         except LinkClosed as exc:
             self.close(link, str(exc))
             return
@@ -138,19 +133,10 @@ class LocalLinks:
             self._drop("malformed", str(exc), peer)
             return None
 
-    def _watch_backlogs(self) -> None:
-        """Watch for writability exactly while a link holds bytes the socket did not take."""
-        for fd, (link, _) in self._links.items():
-            want = FD_IN | (FD_OUT if link.backlogged else 0)
-            if self._interest[fd] != want:
-                self._poller.modify(fd, want)
-                self._interest[fd] = want
-
     def close(self, link: FrameStream, reason: str) -> None:
         """Close one link (I/O thread, or after it stopped) and tell the server."""
         fd = link.fileno()
         entry = self._links.pop(fd, None)
-        self._interest.pop(fd, None)
         self._unbound.pop(link, None)
         if self._poller is not None and entry is not None:
             self._poller.unregister(fd)

@@ -31,9 +31,7 @@ def socket_options(sock: zmq.Socket, rcvhwm: int, sndhwm: int = 0) -> None:
 
 
 EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enum arithmetic costs a call each
-# Flags of raw descriptors in ``EdgePoller`` (poll(2)'s, not zmq's: POLLOUT differs).
-FD_IN, FD_OUT = select.POLLIN, select.POLLOUT
-FD_GONE = select.POLLERR | select.POLLHUP | select.POLLNVAL
+FD_IN = select.POLLIN  # raw descriptors in ``EdgePoller`` take poll(2)'s flags, not zmq's (POLLOUT differs)
 
 
 def readable(sock: zmq.Socket) -> bool:
@@ -111,6 +109,7 @@ class EdgePoller:
         self._poll = select.poll()
         self._sockets: dict[int, zmq.Socket] = {}  # ZMQ_FD -> socket
         self._touched: set[zmq.Socket] = set()
+        self._watched: dict[int, int] = {}  # raw descriptor -> the events waited for
 
     def add_socket(self, sock: zmq.Socket) -> None:
         fd = sock.getsockopt(zmq.FD)
@@ -121,14 +120,15 @@ class EdgePoller:
     def touch(self, sock: zmq.Socket) -> None:
         self._touched.add(sock)
 
-    def register(self, fd: int, flags: int) -> None:
-        self._poll.register(fd, flags)
-
-    def modify(self, fd: int, flags: int) -> None:
-        self._poll.modify(fd, flags)
+    def watch(self, fd: int, flags: int) -> None:
+        """Wait for ``flags`` on the raw descriptor ``fd`` from now on (a no-op when unchanged)."""
+        if self._watched.get(fd) != flags:
+            self._poll.register(fd, flags)  # registers, or modifies a registered one
+            self._watched[fd] = flags
 
     def unregister(self, fd: int) -> None:
         self._poll.unregister(fd)
+        self._watched.pop(fd, None)
 
     def poll(self, timeout_ms: int) -> tuple[set[zmq.Socket], dict[int, int]]:
         """Wait up to ``timeout_ms`` (not at all while a socket is touched); returns the zmq sockets
