@@ -204,7 +204,7 @@ class EngineCacheQueueServer:
             if identity in self._reg.task_links:
                 self._drop("unexpected", "the task channel carries nothing upstream after its hello", peer)
                 return
-        body = self._parse(env, peer)
+        body = self._drop.parsed(env, peer)
         if body is None:
             return
         if body["type"] != "hello" or body.get("channel") != "tasks":
@@ -300,13 +300,6 @@ class EngineCacheQueueServer:
             self._drop("bad frame", str(exc), peer)
             return None
 
-    def _parse(self, env: wire.Envelope, peer: str) -> dict | None:
-        try:
-            return wire.parse_body(env.payload)
-        except wire.BadFrame as exc:
-            self._drop("malformed", str(exc), peer)
-            return None
-
     def _handle(self, frames: list[bytes]) -> None:
         identity, peer = frames[0], peer_name(frames[0])
         env = self._open(frames, peer)
@@ -321,7 +314,7 @@ class EngineCacheQueueServer:
         if problem:
             self._drop("replayed", problem, peer)
             return
-        body = self._parse(env, peer)
+        body = self._drop.parsed(env, peer)
         if body is None:
             return
         session, kind = link.session, body["type"]
@@ -336,7 +329,7 @@ class EngineCacheQueueServer:
 
     def _first_frame(self, identity: bytes, env: wire.Envelope, peer: str) -> None:
         """A frame from a connection bound to no session: only a hello may open one."""
-        body = self._parse(env, peer)
+        body = self._drop.parsed(env, peer)
         if body is None:
             return
         if body["type"] == "hello" and env.session == wire.NO_SESSION:

@@ -16,6 +16,7 @@ import types
 import typing
 from typing import Any, Callable
 
+from . import wire
 from .cache_tasks import RankResult
 
 MAX_INT = 1 << 62
@@ -51,6 +52,15 @@ class DropLog:
     def reasons(self) -> dict[str, int]:
         with self._lock:
             return dict(self.by_reason)
+
+    def parsed(self, env: wire.Envelope, peer: str) -> dict | None:
+        """The body of an opened frame, or None: a body that is not bounded plain data is
+        dropped as malformed and counted here."""
+        try:
+            return wire.parse_body(env.payload)
+        except wire.BadFrame as exc:
+            self("malformed", str(exc), peer)
+            return None
 
 
 class LoopErrors:

@@ -220,11 +220,7 @@ class EngineCacheQueueClient:
                        f"stream {env.stream} counter {env.counter}, expected {stream(channel, DOWN)}/{expect}", "server")
             return None
         self._expect[channel] = expect + 1
-        try:
-            return wire.parse_body(env.payload)
-        except wire.BadFrame as exc:
-            self._drop("malformed", str(exc), "server")
-            return None
+        return self._drop.parsed(env, "server")
 
     def _on_control(self, frame: bytes) -> None:
         body = self._open(frame, CONTROL)

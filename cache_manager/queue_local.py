@@ -105,7 +105,7 @@ class LocalLinks:
         if problem:
             self._drop("replayed", problem, peer)
             return
-        body = self._parse(env, peer)
+        body = self._drop.parsed(env, peer)
         if body is None:
             return
         if body["type"] == "result" and bound.session.live:
@@ -114,7 +114,7 @@ class LocalLinks:
             self._drop("unexpected", f"{body['type']!r} on the local link of rank {bound.session.rank}", peer)
 
     def _bind(self, link: FrameStream, pid: int, env: wire.Envelope, peer: str) -> None:
-        body = self._parse(env, peer)
+        body = self._drop.parsed(env, peer)
         if body is None or body["type"] != "hello" or body.get("channel") != "tasks":
             problem = "its first frame is not a task channel's hello"
         else:
@@ -125,13 +125,6 @@ class LocalLinks:
             self.close(link, problem)
         else:
             self._unbound.pop(link, None)
-
-    def _parse(self, env: wire.Envelope, peer: str) -> dict | None:
-        try:
-            return wire.parse_body(env.payload)
-        except wire.BadFrame as exc:
-            self._drop("malformed", str(exc), peer)
-            return None
 
     def close(self, link: FrameStream, reason: str) -> None:
         """Close one link (I/O thread, or after it stopped) and tell the server."""
