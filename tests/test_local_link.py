@@ -12,52 +12,22 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import pytest
 
 from cache_manager import wire
 from cache_manager.cache_tasks import RankResult
-from cache_manager.engine_cache_queue import EngineCacheQueueClient, EngineCacheQueueServer
+from cache_manager.engine_cache_queue import EngineCacheQueueServer
 from cache_manager.local_link import LENGTH, FrameStream, LinkClosed
+from tests import test_queue_hardening as hardening
+from tests.test_queue_hardening import SECRET, Rank
 
-SECRET = secrets.token_bytes(32)
 TIMEOUT = 10.0
 
 
 def wait_for(cond, timeout: float = TIMEOUT) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return cond()
-
-
-class Rank:
-    """A real client whose poll thread records every task; ``paused`` stops it reading."""
-
-    def __init__(self, rank: int, n: int, server: EngineCacheQueueServer):
-        self.client = EngineCacheQueueClient(rank, n, SECRET, server.address, hello_timeout=TIMEOUT)
-        self.tasks: list[dict] = []
-        self.paused = threading.Event()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def ids(self) -> list[str]:
-        return [t["task_id"] for t in self.tasks]
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            if self.paused.is_set():
-                time.sleep(0.005)
-                continue
-            self.tasks.extend(self.client.poll(20))
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(TIMEOUT)
-        self.client.close(0)
+    return hardening.wait_for(cond, timeout)
 
 
 @pytest.fixture
@@ -71,7 +41,7 @@ def server():
 
 @pytest.fixture
 def ranks(server):
-    made = [Rank(0, 2, server), Rank(1, 2, server)]
+    made = [Rank(0, 2, server.address), Rank(1, 2, server.address)]
     assert wait_for(lambda: server.registered_ranks() == {0, 1})
     yield made
     for r in made:
@@ -198,7 +168,7 @@ def test_a_process_of_another_user_is_turned_away_at_once(server, ranks, caplog)
 def test_a_rank_that_cannot_reach_the_path_takes_the_task_port(server):
     # As from another host or network namespace: nothing listens under the name it is given.
     server._local.listener.path = "\0ctm-queue-nobody-listens-" + secrets.token_hex(8)
-    made = [Rank(0, 2, server), Rank(1, 2, server)]
+    made = [Rank(0, 2, server.address), Rank(1, 2, server.address)]
     try:
         assert wait_for(lambda: server.registered_ranks() == {0, 1})
         assert server.local_ranks() == set()

@@ -54,11 +54,13 @@ def recv_all(sock: zmq.Socket, wait_ms: int = 0) -> list[bytes]:
 
 
 class Rank:
-    """A real client with its own poll thread, recording every task it receives."""
+    """A real client with its own poll thread, recording every task it receives; ``paused``
+    stops it reading (test_local_link's rank that does not read)."""
 
     def __init__(self, rank: int, n: int, address: str):
         self.client = EngineCacheQueueClient(rank, n, SECRET, address, hello_timeout=TIMEOUT)
         self.tasks: list[dict] = []
+        self.paused = threading.Event()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -68,6 +70,9 @@ class Rank:
 
     def _run(self) -> None:
         while not self.stop.is_set():
+            if self.paused.is_set():
+                time.sleep(0.005)
+                continue
             self.tasks.extend(self.client.poll(20))
 
     def close(self) -> None:
