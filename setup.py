@@ -12,8 +12,9 @@ block_copy = Extension(
 # entries): see the .c file.  dl: it binds XXH3 from the xxhash package's own extension.
 file_records = Extension(
     "transfer_factory._file_records",
-    sources=[f"transfer_factory/csrc/file_records{part}.c" for part in ("", "_io", "_sha", "_index")],
-    depends=["transfer_factory/csrc/file_records.h"],
+    sources=[f"transfer_factory/csrc/file_records{part}.c" for part in ("", "_io", "_sha", "_index")]
+    + ["transfer_factory/csrc/sha256.c"],
+    depends=["transfer_factory/csrc/file_records.h", "transfer_factory/csrc/sha256.h"],
     extra_compile_args=["-O3", "-std=c11", "-D_DEFAULT_SOURCE", "-Wall", "-Wextra", "-Wno-unused-parameter"],
     libraries=["dl"],
 )
@@ -25,12 +26,21 @@ wire_check = Extension(
     extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )
 
+# The queue's frame MAC, seal and open (``cache_manager.wire``), with the FileStore's SHA-256.
+wire_seal = Extension(
+    "cache_manager._wire_seal",
+    sources=["cache_manager/csrc/wire_seal.c", "transfer_factory/csrc/sha256.c"],
+    depends=["transfer_factory/csrc/sha256.h"],
+    include_dirs=["transfer_factory/csrc"],
+    extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+)
+
 setup(
     name="cache-transfer-manager",
     version="0.1.0",
     description="KV-cache transfer subsystem: device <-> host swap space <-> storage",
     packages=["cache_manager", "ops", "transfer_factory", "engine_hooks"],
-    ext_modules=[block_copy, file_records, wire_check],
+    ext_modules=[block_copy, file_records, wire_check, wire_seal],
     python_requires=">=3.10",
     install_requires=["numpy", "pyzmq", "msgpack"],
     extras_require={

@@ -221,7 +221,58 @@ def test_frame_macs_are_hmac_sha256_for_keys_of_every_length(key_bytes):
     import os
 
     key = os.urandom(key_bytes)
-    for data in (b"", b"x", os.urandom(1000)):
-        assert wire._mac(key, data) == hmac.digest(key, data, "sha256")
+    for n in list(range(0, 200)) + [1000, 4096 + 55]:  # every padding case after the key's block
+        data = os.urandom(n)
+        assert wire._mac(key, data) == hmac.digest(key, data, "sha256"), n
     frame = wire.encode({"type": "t", "v": 1}, key)
     assert frame[-wire.TAG_BYTES:] == hmac.digest(key, frame[:-wire.TAG_BYTES], "sha256")
+
+
+def test_a_sealed_frame_has_the_documented_layout_and_opens_to_its_envelope():
+    """seal and open are in C (csrc/wire_seal.c): the bytes must be exactly the format wire.py
+    documents, so the C and any other peer agree."""
+    import hmac
+
+    key, session, payload = b"k" * 32, bytes(range(16)), wire.pack({"type": "task", "seq": 7})
+    frame = wire.seal(payload, key, session, 0xDEADBEEF, 2**64 - 1)
+    framed = wire.HEADER + wire.ENVELOPE.pack(session, 0xDEADBEEF, 2**64 - 1) + payload
+    assert frame == framed + hmac.digest(key, framed, "sha256")
+    env = wire.open_frame(frame, key)
+    assert (env.session, env.stream, env.counter, env.payload) == (session, 0xDEADBEEF, 2**64 - 1, payload)
+    assert tuple(env) == (session, 0xDEADBEEF, 2**64 - 1, payload)
+    assert wire.open_frame(bytearray(frame), key) == env  # any buffer opens alike
+
+
+@pytest.mark.parametrize("args, error", [
+    ((b"x", b"k", bytes(15), 0, 0), ValueError),  # a session is 16 bytes
+    ((b"x", b"k", wire.NO_SESSION, 2**32, 0), OverflowError),
+    ((b"x", b"k", wire.NO_SESSION, 0, -1), OverflowError),
+    ((b"x", b"k", wire.NO_SESSION, 0, 2**64), OverflowError),
+    ((b"x" * wire.MAX_FRAME_BYTES, b"k", wire.NO_SESSION, 0, 0), ValueError),
+])
+def test_seal_refuses_what_the_envelope_cannot_hold(args, error):
+    with pytest.raises(error):
+        wire.seal(*args)
+
+
+def test_open_frame_names_what_is_wrong_with_a_frame():
+    key = b"k" * 32
+    good = wire.encode({"type": "t"}, key)
+    cases = [
+        (good[:40], "short frame (40 bytes)"),
+        (b"XTMQ" + good[4:], "bad magic"),
+        (good[:4] + bytes([9]) + good[5:], f"protocol version 9, expected {wire.PROTOCOL_VERSION}"),
+        (good[:-1] + bytes([good[-1] ^ 1]), "authentication failed"),
+        (good[:30] + bytes([good[30] ^ 1]) + good[31:], "authentication failed"),
+        (good, None),
+    ]
+    for frame, why in cases:
+        if why is None:
+            assert wire.open_frame(frame, key).payload == good[33:-32]
+            continue
+        with pytest.raises(wire.BadFrame, match=re.escape(why)):
+            wire.open_frame(frame, key)
+    with pytest.raises(wire.BadFrame, match="authentication failed"):
+        wire.open_frame(good, b"another secret")
+    with pytest.raises(wire.BadFrame, match="oversized frame"):
+        wire.open_frame(bytes(wire.MAX_FRAME_BYTES + 1), key)

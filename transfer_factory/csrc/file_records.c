@@ -28,6 +28,7 @@
  * headers are needed at build time.
  */
 #include "file_records.h"
+#include "sha256.h"
 
 #include <string.h>
 
@@ -260,7 +261,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__file_records(void)
 {
     crc_init();
-    int sha_ni = fr_sha256_setup();
+    int sha_ni = sha256_setup();
     if (PyType_Ready(&fr_EntryType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

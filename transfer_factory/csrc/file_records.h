@@ -34,9 +34,6 @@ typedef struct {
 } EntryObject;
 extern PyTypeObject fr_EntryType;
 
-/* SHA-256 (file_records_sha.c): picks the SHA-NI rounds where the CPU has them; 1 if it did. */
-int fr_sha256_setup(void);
-
 PyObject *fr_pack_headers(PyObject *self, PyObject *args);
 PyObject *fr_parse_headers(PyObject *self, PyObject *args);
 PyObject *fr_payload_bytes(PyObject *self, PyObject *args);
