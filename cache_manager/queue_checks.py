@@ -194,10 +194,11 @@ def rank_result_from_body(body: dict, rank: int, num_ranks: int) -> RankResult:
     if missing:
         raise Refused(f"result without {sorted(missing)}")
     kwargs = {}
-    for name, (check, is_float) in _RESULT_CHECKS.items():
-        if name not in body:
+    checks = _RESULT_CHECKS
+    for name, value in body.items():  # a result sends only what differs from the defaults
+        if name in ENVELOPE_KEYS:
             continue
-        value = body[name]
+        check, is_float = checks[name]
         problem = check(value)
         if problem:
             raise Refused(f"result field {name!r} = {value!r:.80} {problem}")

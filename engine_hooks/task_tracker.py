@@ -46,7 +46,7 @@ Observer = Callable[[dict, str, float, dict], None]
 @dataclass
 class Pending:
     task: dict
-    future: Future
+    future: TaskFuture
     deadline: float
     timeout: float
     unreleased: set[int]  # ranks that may still touch the task's blocks
@@ -54,13 +54,41 @@ class Pending:
     submitted: float = field(default_factory=time.perf_counter)
 
 
-def new_future(released: bool = False) -> Future:
-    future: Future = Future()
-    future.set_running_or_notify_cancel()
-    future.released = Future()  # type: ignore[attr-defined]
-    if released:
-        future.released.set_result(None)  # type: ignore[attr-defined]
-    return future
+class TaskFuture(Future):
+    """A task's future, running from the start (a submitted task cannot be cancelled).
+
+    ``released`` is done once no rank may still touch the task's blocks.  Nearly every task is
+    released with its answer and nobody asks, so that second Future (a Condition and an RLock to
+    build, a notify to resolve: a few microseconds of every round trip) is made on first access."""
+
+    def __init__(self, released: bool = False):
+        super().__init__()
+        self.set_running_or_notify_cancel()
+        self._released: Future | None = None
+        self._let_go = released
+        self.rank_results: dict[int, RankResult] = {}
+
+    @property
+    def released(self) -> Future:
+        with self._condition:  # the future's own lock: let_go may run on the queue's thread
+            released = self._released
+            if released is None:
+                released = self._released = Future()
+                if self._let_go:
+                    released.set_result(None)
+        return released
+
+    def let_go(self) -> None:
+        """Resolve ``released`` (the tracker, once every rank let go; a second call does nothing)."""
+        with self._condition:
+            self._let_go = True
+            released = self._released
+        if released is not None and not released.done():
+            released.set_result(None)
+
+
+def new_future(released: bool = False) -> TaskFuture:
+    return TaskFuture(released)
 
 
 def aggregate(task: dict, results: dict[int, RankResult], tp: int) -> Any:
@@ -100,7 +128,7 @@ class TaskTracker:
     def new_task_id(self) -> str:
         return f"t{next(self._ids)}"
 
-    def begin(self, task: dict, timeout: float, grace: float = 0.0) -> tuple[dict, Future, bool]:
+    def begin(self, task: dict, timeout: float, grace: float = 0.0) -> tuple[dict, TaskFuture, bool]:
         """Stamp ``task`` (id, deadline) and track it.  Returns (the task, its future, whether it
         should be sent): a closed tracker or a dead rank fails the future at once."""
         if not timeout > 0:
@@ -178,11 +206,11 @@ class TaskTracker:
             if pending.unreleased:
                 self._unreleased[result.task_id] = pending
         if not pending.unreleased:
-            pending.future.released.set_result(None)
+            pending.future.let_go()
         now = time.perf_counter()
         if self._record_latencies:
             self.latencies_ms.append((now - pending.submitted) * 1e3)
-        pending.future.rank_results = dict(sorted(pending.results.items()))  # type: ignore[attr-defined]
+        pending.future.rank_results = dict(sorted(pending.results.items()))
         failures = {r: res.error or "failed" for r, res in pending.results.items() if not res.ok}
         if failures:
             pending.future.set_exception(TaskFailedError(result.task_id, failures))
@@ -197,7 +225,7 @@ class TaskTracker:
         pending.unreleased.discard(result.rank)
         if not pending.unreleased:
             del self._unreleased[result.task_id]
-            pending.future.released.set_result(None)
+            pending.future.let_go()
 
     def fail(self, task_id: str, error: Exception, outcome: str = "failed") -> None:
         with self.lock:
@@ -208,7 +236,7 @@ class TaskTracker:
         if pending is not None:
             pending.future.set_exception(error)
             if not pending.unreleased:
-                pending.future.released.set_result(None)
+                pending.future.let_go()
             self._notify(pending.task, outcome, time.perf_counter() - pending.submitted, pending.results)
 
     def expire(self, now: float) -> None:
@@ -241,7 +269,7 @@ class TaskTracker:
         for task_id, pending in failed:
             pending.future.set_exception(RankDiedError(task_id, rank, detail))
             if not pending.unreleased:
-                pending.future.released.set_result(None)
+                pending.future.let_go()
             self._notify(pending.task, "rank_died", time.perf_counter() - pending.submitted, pending.results)
         self.release_rank(rank)
 
@@ -271,7 +299,7 @@ class TaskTracker:
                     del self._unreleased[task_id]
                     done.append(pending)
         for pending in done:
-            pending.future.released.set_result(None)
+            pending.future.let_go()
 
     # ------------------------------------------------------------------ shutdown and inspection
     def close(self) -> None:
@@ -287,8 +315,7 @@ class TaskTracker:
             p.future.set_exception(ServiceClosed(f"task {p.task.get('task_id')} cancelled: the service shut down"))
             self._notify(p.task, "closed", time.perf_counter() - p.submitted, p.results)
         for p in pending + unreleased:
-            if not p.future.released.done():
-                p.future.released.set_result(None)
+            p.future.let_go()
 
     def unreleased_tasks(self) -> dict[str, list[int]]:
         """Failed or timed-out tasks that some rank may still act on: task id -> those ranks."""
