@@ -10,10 +10,13 @@ import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
+from ops.layout import plain_int_list
+
 from .cache_data import CacheStatus
 from .layer_progress import LayerwiseRef
 
 SWAP_EVENTS = (CacheStatus.SWAP2CPU, CacheStatus.SWAP2GPU)
+_STATUS_OF = {int(s): s for s in CacheStatus}
 
 
 class TaskFormatError(ValueError):
@@ -85,15 +88,6 @@ def _layerwise(d: dict) -> LayerwiseRef | None:
         raise TaskFormatError(str(exc)) from None
 
 
-_PLAIN_INTS = {int}
-
-
-def plain_int_list(value: Any) -> bool:
-    """Whether ``value`` is a list of plain ints (a bool is not one), checked without a Python
-    step per item: the common case of every block id list, on the engine's and the rank's side."""
-    return type(value) is list and set(map(type, value)) <= _PLAIN_INTS
-
-
 def _int_list(d: dict, key: str) -> list[int]:
     value = d.get(key)
     if plain_int_list(value):
@@ -129,10 +123,9 @@ def task_from_wire(d: Any) -> Task:
     event = d.get("event_type")
     if not isinstance(event, int) or isinstance(event, bool):
         raise TaskFormatError(f"event_type {event!r} must be an integer")
-    try:
-        status = CacheStatus(event)
-    except ValueError:
-        raise TaskFormatError(f"unknown event type {event}") from None
+    status = _STATUS_OF.get(event)  # CacheStatus(event) costs an enum lookup in Python on every task
+    if status is None:
+        raise TaskFormatError(f"unknown event type {event}")
     task_id = _str(d, "task_id")
     if status in SWAP_EVENTS:
         return SwapTask(event, task_id, _int_list(d, "swap_node_ids"), _int_list(d, "gpu_block_ids"),

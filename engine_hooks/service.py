@@ -57,9 +57,9 @@ from cache_manager.cache_data import (
     CacheStatus,
     KVCacheStatus,
 )
-from cache_manager.cache_tasks import plain_int_list
 from cache_manager.engine_cache_queue import EngineCacheQueueServer
 from cache_manager.ipc_signal import IPCSignal
+from ops.layout import plain_int_list
 
 from .device_caches import CacheSpec, DeviceCaches
 from .errors import CachesClearedError, ServiceClosed, StartupError

@@ -46,6 +46,15 @@ def tensor_info(tensor: Any, what: str) -> TensorInfo:
     return TensorInfo(int(tensor.data_ptr()), tuple(int(d) for d in tensor.shape), dtype)
 
 
+_PLAIN_INTS = {int}
+
+
+def plain_int_list(value: Any) -> bool:
+    """Whether ``value`` is a list of plain ints (a bool is not one), checked without a Python
+    step per item: the common case of every block id list, on the engine's and the rank's side."""
+    return type(value) is list and set(map(type, value)) <= _PLAIN_INTS
+
+
 def block_ids(ids: Any, what: str) -> np.ndarray:
     """Block ids as a contiguous int64 array; floats, bools and nested lists are refused."""
     arr = np.asarray(ids)

@@ -202,6 +202,8 @@ BAD_ALL_LAYERS = [
     ("num_cpu_blocks is 7", dict(dev=[0], hst=[0], num_cpu_blocks=7)),
     ("mode 2", dict(dev=[0], hst=[0], mode=2)),
     ("block id 1.5 is not an integer", dict(dev=[1.5], hst=[0])),
+    ("device block id 1180591620717411303424 at position 0 is out of range", dict(dev=[2**70], hst=[0])),
+    ("host block id 1180591620717411303424 at position 1 is out of range", dict(dev=[0, 1], hst=[0, 2**70])),
     ("device block id 3 appears more than once", dict(dev=[3, 3], hst=[0, 1], mode=1)),
     ("host block id 2 appears more than once", dict(dev=[0, 1], hst=[2, 2], mode=0)),
 ]

@@ -214,6 +214,7 @@ static int run_segments(const segment_t *segs, size_t nsegs, int num_threads, en
 typedef struct {
     Py_buffer bases, caps, ids;
     int have_bases, have_caps, have_ids;
+    int64_t *listed_ids; /* ids given as a list of ints, copied here (ids.buf points at it) */
 } side_bufs_t;
 
 static void release_side(side_bufs_t *s)
@@ -224,6 +225,36 @@ static void release_side(side_bufs_t *s)
         PyBuffer_Release(&s->caps);
     if (s->have_ids)
         PyBuffer_Release(&s->ids);
+    PyMem_Free(s->listed_ids);
+}
+
+/* Block ids as a list of ints, as a rank's tasks bring them: a numpy array per side per copy cost
+ * more than the copy of a small task (ops.cpu.CpuPlatform.run_plan checks the items are ints). */
+static int load_listed_ids(PyObject *list, side_bufs_t *s, const char *name)
+{
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    s->listed_ids = PyMem_Malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
+    if (s->listed_ids == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        if (!PyLong_CheckExact(item)) {
+            PyErr_Format(PyExc_ValueError, "%s block id %R at position %zd is not an integer", name, item, i);
+            return -1;
+        }
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow) {
+            PyErr_Format(PyExc_ValueError, "%s block id %R at position %zd is out of range", name, item, i);
+            return -1;
+        }
+        s->listed_ids[i] = v;
+    }
+    s->ids.buf = s->listed_ids;
+    s->ids.len = n * (Py_ssize_t)sizeof(int64_t);
+    return 0;
 }
 
 static int get_int64_buffer(PyObject *obj, Py_buffer *view, const char *what)
@@ -253,6 +284,8 @@ static int load_side(PyObject *bases, PyObject *caps, PyObject *ids, side_bufs_t
     if (get_int64_buffer(caps, &s->caps, what) < 0)
         return -1;
     s->have_caps = 1;
+    if (PyList_CheckExact(ids))
+        return load_listed_ids(ids, s, name);
     snprintf(what, sizeof what, "%s block ids", name);
     if (get_int64_buffer(ids, &s->ids, what) < 0)
         return -1;
@@ -332,9 +365,10 @@ PyDoc_STRVAR(copy_blocks_doc,
 "            block_bytes, num_threads, bulk=0) -> int\n\n"
 "Copy block src_ids[i] to dst_ids[i] in every layer; returns the number of\n"
 "memcpy segments after merging consecutive runs.  bases/caps/ids are int64\n"
-"buffers; a block of layer l starts at bases[l] + id * stride.  bulk: this\n"
-"call is one piece of a transfer far larger than the caches, so its stores\n"
-"stream past them whatever the piece's own size.");
+"buffers (ids may also be lists of ints); a block of layer l starts at\n"
+"bases[l] + id * stride.  bulk: this call is one piece of a transfer far\n"
+"larger than the caches, so its stores stream past them whatever the piece's\n"
+"own size.");
 
 static PyObject *py_copy_blocks(PyObject *self, PyObject *args)
 {
