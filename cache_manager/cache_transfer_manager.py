@@ -4,30 +4,25 @@
         --key_cache_shape 256,8,64,128 --value_cache_shape 256,8,64,128 --num_cpu_blocks 512 \\
         --cache_queue_port 8600 --engine_worker_queue_port 8700 ...
 
-Start-up: check every flag (a bad value exits non-zero naming the flag, before anything
-is attached), wait for ``cache_ready_signal[rank]`` with a timeout, attach every layer's
+Start-up: check every flag (``ctm_flags``: a bad value exits non-zero naming the flag, before
+anything is attached), wait for ``cache_ready_signal[rank]`` with a timeout, attach every layer's
 device caches (extra speculative layers and fp8 scales included), allocate host swap
 space, set ``swap_space_ready_signal``, join the EngineCacheQueue and set
 ``cache_transfer_inited_signal``.  Then serve: the ``TaskScheduler`` orders tasks that share
 a block, drops those past their deadline, and runs the rest on one thread pool per kind;
 each rank sends its own result.
 
-Liveness: the process exits by itself once the engine *process* is gone (``--engine_pid``,
-watched through a pidfd, else the parent) and only then removes the segments the engine
-can no longer unlink.  A ``worker_healthy_live_signal`` that stops changing for
-``FD_CACHE_PROC_EXIT_TIMEOUT`` seconds (measured on this process's monotonic clock, so wall
-clock steps do not matter) is logged and nothing more: a paused engine keeps its caches.
-SIGTERM gives a clean exit.
+Liveness (``engine_watch``): the process exits by itself once the engine *process* is gone
+and only then removes the segments the engine can no longer unlink; a heartbeat that stops is
+logged and nothing more, since a paused engine keeps its caches.  SIGTERM gives a clean exit.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import importlib
-import json
 import logging
 import os
-import select
 import signal
 import sys
 import threading
@@ -40,12 +35,9 @@ from typing import Any
 import numpy as np
 
 import ops
-from ops.procs import pid_alive
 from ops.shm import SharedMemorySegment
-from transfer_factory import StorageAccess, StorageConfigError, backend_names, create_storage_backend
+from transfer_factory import StorageAccess, StorageConfigError, create_storage_backend
 from transfer_factory.keys import Namespace
-
-from .cache_spec import CacheSpec
 
 from . import wire
 from .cache_data import (
@@ -60,161 +52,24 @@ from .cache_data import (
 )
 from .cache_tasks import (ControlTask, Outcome, RankResult, ReadStorageTask, SwapTask, TaskFormatError, task_deadline,
                           task_from_wire)
+from .ctm_flags import NPU_COPY_ENGINE_DEFAULT, parse_args, spec_from_args
+from .engine_watch import EngineGone, EngineWatch
 from .task_scheduler import TaskScheduler
 from .kv_cache_lifecycle import KvCacheLifecycle
 from .engine_cache_queue import EngineCacheQueueClient
 from .device_storage_mover import DeviceStorageMover
-from .storage_mover import TRANSFER_MODES, StorageMover, staging_blocks
+from .storage_mover import StorageMover, staging_blocks
 from .ipc_signal import IPCSignal, signal_segment_name
 from .layer_progress import LAYER_PROGRESS_SIGNAL
 from .layerwise_copy import RankLayerBoard, copy_layerwise, publishing
 from .swap_plans import SwapPlans
 
-CACHE_DTYPES = ("uint8", "bfloat16", "block_wise_fp8")
 # A swap this small takes a few microseconds of memcpy, less than handing it to a pool thread:
 # the serve thread runs it (on platforms whose copies cannot stall).  Bigger swaps stay on pools,
 # so the serve thread never stops polling for long.
 INLINE_SWAP_MAX_BYTES = 256 << 10
 IDLE_POLL_MS = 250  # an idle rank wakes this often to look at kv_cache_status and the engine
 DRAIN_POLL_MS = 10  # how often a clearing rank looks whether its tasks released their blocks
-EXIT_TIMEOUT_ENV = "FD_CACHE_PROC_EXIT_TIMEOUT"
-
-
-# ------------------------------------------------------------------ flags
-def _shape(text: str) -> list[int]:
-    if text in ("", "none", "None"):
-        return []
-    try:
-        dims = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not N,H,B,D (comma-separated integers)") from None
-    if len(dims) != 4 or any(d <= 0 for d in dims):
-        raise argparse.ArgumentTypeError(f"{text!r} must be 4 positive integers N,H,B,D")
-    return dims
-
-
-def _json(text: str) -> dict:
-    try:
-        value = json.loads(text) if text else {}
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
-
-
-def _nonneg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must not be negative")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = _nonneg(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be positive")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _nonneg(text)
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"{value} is not a TCP port")
-    return value
-
-
-def _flag(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes"):
-        return True
-    if text.lower() in ("0", "false", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"{text!r} is not a boolean")
-
-
-NPU_COPY_ENGINE_DEFAULT = "acl"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser("cache_transfer_manager", description="KV-cache transfer manager for one TP rank")
-    p.add_argument("--splitwise_role", default="mixed", choices=["mixed", "prefill", "decode"])
-    p.add_argument("--rank", type=_nonneg, default=0)
-    p.add_argument("--device_id", type=_nonneg, default=0)
-    p.add_argument("--max_model_len", type=_positive, default=8192)
-    p.add_argument("--num_layers", type=_positive, default=1)
-    p.add_argument("--mp_num", type=_positive, default=1)
-    p.add_argument("--cache_dtype", default="bfloat16", choices=CACHE_DTYPES)
-    p.add_argument("--default_dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--key_cache_shape", type=_shape, required=True, help="N,H,B,D")
-    p.add_argument("--value_cache_shape", type=_shape, default=[], help="N,H,B,D; empty for MLA")
-    p.add_argument("--cache_queue_port", type=_port, required=True)
-    p.add_argument("--enable_splitwise", type=_flag, default=False)
-    p.add_argument("--pod_ip", default="127.0.0.1")
-    p.add_argument("--engine_worker_queue_port", type=_port, required=True)
-    p.add_argument("--num_cpu_blocks", type=_nonneg, default=0)
-    p.add_argument("--protocol", default="ipc", choices=["ipc", "rdma", "ipc,rdma"])
-    p.add_argument("--local_data_parallel_id", type=_nonneg, default=0)
-    p.add_argument("--rdma_port", default="")
-    p.add_argument("--speculative_config", type=_json, default={})
-    p.add_argument("--create_cache_tensor", type=_flag, nargs="?", const=True, default=False,
-                   help="FastDeploy compatibility only: a CTM never allocates device caches")
-    p.add_argument("--kvcache_storage_backend", default="none", choices=backend_names() + ("none",))
-    p.add_argument("--write_policy", default="write_through",
-                   choices=["write_through", "write_back", "write_through_selective", "none"],
-                   help="accepted for FastDeploy; the engine's prefix cache decides what to write and when")
-    p.add_argument("--model_path", default="")
-    # this project's own
-    p.add_argument("--platform", default=os.environ.get("CTM_PLATFORM", "cpu"), choices=sorted(ops.PLATFORMS))
-    p.add_argument("--npu_copy_engine", default=NPU_COPY_ENGINE_DEFAULT, choices=ops.copy_engines("npu"),
-                   help="how the NPU platform moves swap-space blocks: acl (pyACL batched copies) or llm_datadist "
-                        "(LLM-DataDist swap_blocks); given only to platforms with copy engines (see CacheTransferManager)")
-    p.add_argument("--ipc_suffix", default=None,
-                   help="FastDeploy passes this in some versions; accepted, signals use --engine_worker_queue_port")
-    p.add_argument("--ipc_instance", default=None, help="instance id in CPU segment names (default: engine_worker_queue_port)")
-    p.add_argument("--engine_pid", type=_positive, default=None, help="exit when this process is gone (default: the parent)")
-    p.add_argument("--attach_timeout", type=float, default=120.0, help="seconds to wait for cache_ready_signal")
-    p.add_argument("--log_dir", default=os.environ.get("CTM_LOG_DIR", "log"))
-    p.add_argument("--swap_threads", type=_positive, default=1, help="workers per swap direction")
-    p.add_argument("--model_version", default="", help="part of the storage namespace")
-    p.add_argument("--storage_options", type=_json, default={}, help="JSON options of the storage backend")
-    p.add_argument("--storage_transfer", default="auto", choices=TRANSFER_MODES,
-                   help="direct: backend reads/writes the caches in place; staged: through a staging buffer")
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.rank >= args.mp_num:
-        parser.error(f"argument --rank: {args.rank} must be below --mp_num {args.mp_num}")
-    spec = args.speculative_config
-    extra = spec.get("num_extra_cache_layer", 0)
-    ratio = spec.get("num_gpu_block_expand_ratio", 1)
-    if not isinstance(extra, int) or extra < 0:
-        parser.error(f"argument --speculative_config: num_extra_cache_layer {extra!r} must be a non-negative integer")
-    if not isinstance(ratio, (int, float)) or ratio <= 0:
-        parser.error(f"argument --speculative_config: num_gpu_block_expand_ratio {ratio!r} must be positive")
-    if args.value_cache_shape and args.value_cache_shape[0] != args.key_cache_shape[0]:
-        parser.error(f"argument --value_cache_shape: {args.value_cache_shape[0]} blocks, "
-                     f"--key_cache_shape has {args.key_cache_shape[0]}")
-    if args.attach_timeout <= 0:
-        parser.error(f"argument --attach_timeout: {args.attach_timeout} must be positive")
-    return args
-
-
-def spec_from_args(args: argparse.Namespace) -> CacheSpec:
-    """The cache spec the flags describe (the engine built its caches from the same spec)."""
-    n, heads, block_size, head_dim = args.key_cache_shape
-    value = args.value_cache_shape
-    spec = args.speculative_config
-    return CacheSpec(num_layers=args.num_layers, num_blocks=n, kv_heads=heads, block_size=block_size,
-                     head_dim=head_dim, cache_dtype=args.cache_dtype, default_dtype=args.default_dtype,
-                     mla=not value, num_extra_layers=spec.get("num_extra_cache_layer", 0),
-                     extra_block_ratio=spec.get("num_gpu_block_expand_ratio", 1),
-                     value_block_shape=tuple(value[1:]) if value and value[1:] != args.key_cache_shape[1:] else None)
 
 
 # ------------------------------------------------------------------ caches
@@ -248,10 +103,6 @@ def rank_logger(rank: int, log_dir: str) -> logging.Logger:
     return log
 
 
-class EngineGone(Exception):
-    pass
-
-
 class CacheTransferManager:
     def __init__(self, args: argparse.Namespace, log: logging.Logger):
         self.args = args
@@ -265,7 +116,6 @@ class CacheTransferManager:
         wanted = engine if ops.copy_engines(args.platform) or engine != NPU_COPY_ENGINE_DEFAULT else None
         self.platform = ops.get_platform(args.platform, instance=self.instance, copy_engine=wanted)
         ops.use_platform(self.platform)
-        self.parent_pid = os.getppid()
         self.stop_event = threading.Event()
         self.groups: list[CacheGroup] = []
         self.signals: dict[str, IPCSignal] = {}
@@ -274,12 +124,8 @@ class CacheTransferManager:
         self.storage: StorageMover | DeviceStorageMover | None = None
         self.scheduler: TaskScheduler | None = None
         self.recv_seq = 0
-        self.exit_timeout = float(os.environ.get(EXIT_TIMEOUT_ENV, "30"))
-        self._engine_fd: int | None = None
+        self.engine_watch = EngineWatch(args.engine_pid, log)
         self._next_engine_check = 0.0
-        self._beat_value: int | None = None
-        self._beat_seen = time.monotonic()
-        self._beat_stale_logged = False
         self.lifecycle = KvCacheLifecycle(self)  # RL weight updates: clear and restore the caches
         self.layer_board = RankLayerBoard(args.mp_num, args.engine_worker_queue_port, args.rank, log)
         self._swap_plans = SwapPlans()  # the kinds' swap plans merged, rebuilt when the plans change
@@ -386,41 +232,8 @@ class CacheTransferManager:
         self.log.info("ready: rank %d of %d, pid %d", self.rank, a.mp_num, os.getpid())
 
     # -- liveness ---------------------------------------------------------------
-    def _engine_exited(self) -> bool:
-        """True once the engine process is gone.  A pidfd cannot be fooled by a reused pid."""
-        engine_pid = self.args.engine_pid
-        if engine_pid is None:
-            return os.getppid() != self.parent_pid
-        if self._engine_fd is None and hasattr(os, "pidfd_open"):
-            try:
-                self._engine_fd = os.pidfd_open(engine_pid)
-            except ProcessLookupError:
-                return True
-            except OSError:
-                self._engine_fd = -1  # no pidfd here: fall back to the pid
-        if self._engine_fd is not None and self._engine_fd >= 0:
-            return bool(select.select([self._engine_fd], [], [], 0)[0])
-        return not pid_alive(engine_pid)
-
     def _check_engine(self) -> None:
-        if self._engine_exited():
-            who = f"engine process {self.args.engine_pid}" if self.args.engine_pid else f"parent {self.parent_pid}"
-            raise EngineGone(f"{who} is gone")
-        heartbeat = self.signals.get(WORKER_HEALTHY_LIVE_SIGNAL)
-        if heartbeat is None:
-            return
-        value, now = int(heartbeat.value[0]), time.monotonic()
-        if value != self._beat_value:
-            if self._beat_stale_logged:
-                self.log.warning("worker_healthy_live_signal moves again: the engine is back")
-            self._beat_value, self._beat_seen, self._beat_stale_logged = value, now, False
-        elif now - self._beat_seen > self.exit_timeout and not self._beat_stale_logged:
-            # A live engine that stopped beating is paused (SIGSTOP, swapped out, a debugger):
-            # its caches are still its own, so nothing is removed and the CTM keeps serving.
-            self.log.warning("worker_healthy_live_signal has not changed for %.0fs (> %s=%g) but the engine "
-                             "process is alive: keeping its caches and serving on", now - self._beat_seen,
-                             EXIT_TIMEOUT_ENV, self.exit_timeout)
-            self._beat_stale_logged = True
+        self.engine_watch.check(self.signals.get(WORKER_HEALTHY_LIVE_SIGNAL))
 
     # -- serving ----------------------------------------------------------------
     def serve(self) -> None:

@@ -1,7 +1,7 @@
 """The CTM rebuilds, from its flags, exactly the cache spec the engine allocated from."""
 import pytest
 
-from cache_manager.cache_transfer_manager import parse_args, spec_from_args
+from cache_manager.ctm_flags import parse_args, spec_from_args
 from engine_hooks import CacheSpec, CacheTransferService
 
 SPECS = [
