@@ -37,7 +37,6 @@ import atexit
 import json
 import logging
 import os
-import select
 import socket
 import threading
 import time
@@ -66,15 +65,13 @@ from .errors import CachesClearedError, ServiceClosed, StartupError
 from .launcher import RankProcess, launch
 from .layerwise import LayerwiseTasks
 from .metrics import CacheMetrics
+from .supervisor import Supervisor
 from .task_tracker import TaskTracker, new_future
 
 if TYPE_CHECKING:
     from transfer_factory.keys import Namespace
 
 logger = logging.getLogger(__name__)
-
-_SUPERVISOR_TICK = 0.05  # how often a supervisor without pidfds looks whether its ranks are alive
-_BEAT_S = 1.0  # the heartbeat's period, and the longest a supervisor with pidfds sleeps
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -181,15 +178,9 @@ class CacheTransferService:
         if metrics_port is not None and not (isinstance(metrics_port, int) and 0 <= metrics_port < 65536):
             raise ValueError(f"metrics_port {metrics_port!r} must be a port number (0 picks a free one)")
         self.metrics_port = metrics_port
-        self.supervisor_errors = 0
-        self.supervisor_loops = 0  # the supervisor's wake-ups (it sleeps until it has something to do)
         self._shutdown_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._supervisor: threading.Thread | None = None
-        # Rung to wake the supervisor before its planned time: a sooner deadline, a restarted rank, stop.
-        self._bell = -1  # an eventfd from start() on
-        self._bell_lock = threading.Lock()  # a ring never writes to the number of a closed bell
-        self.tracker.on_sooner_deadline = self._ring
+        self._supervisor = Supervisor(lambda: self.procs, self.tracker, self._on_beat, self._rank_died)
+        self.tracker.on_sooner_deadline = self._supervisor.ring
         self._closed = False
         self._started = False
 
@@ -219,8 +210,6 @@ class CacheTransferService:
             for rank in range(self.tp):
                 self.procs[rank] = self._launch(rank)
             self._wait_ready(list(range(self.tp)))
-            self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            self._supervisor = threading.Thread(target=self._supervise, name="ctm-supervisor", daemon=True)
             self._supervisor.start()
             if self.metrics_port is not None:
                 self.metrics_port = self.metrics.serve(self.metrics_port, host=self.pod_ip)
@@ -405,81 +394,20 @@ class CacheTransferService:
     def _beat(self) -> None:
         self.signals[WORKER_HEALTHY_LIVE_SIGNAL].value[0] = int(time.time())
 
-    def _supervise(self) -> None:
-        last_beat = 0.0
-        watched: dict[int, tuple[int, int]] = {}  # rank -> (pid, pidfd), kept across ticks
-        try:
-            while not self._stop.is_set():
-                try:
-                    last_beat = self._supervise_once(last_beat, watched)
-                except Exception:  # deadlines and the heartbeat must outlive one bad iteration
-                    self.supervisor_errors += 1
-                    logger.exception("supervisor iteration failed; supervising on")
-                    self._stop.wait(_SUPERVISOR_TICK)
-        finally:
-            for _, fd in watched.values():
-                os.close(fd)
+    def _on_beat(self) -> None:
+        self._beat()
+        self.metrics.flush()
+        self.server.pump()  # registers task connections, drains anything else sent there
 
-    def _ring(self) -> None:
-        with self._bell_lock:
-            if self._bell >= 0:
-                try:
-                    os.eventfd_write(self._bell, 1)
-                except BlockingIOError:  # the counter is full: the supervisor wakes anyway
-                    pass
+    @property
+    def supervisor_errors(self) -> int:
+        """Iterations of the supervisor that raised and were survived."""
+        return self._supervisor.errors
 
-    def _close_bell(self) -> None:
-        with self._bell_lock:
-            if self._bell >= 0:
-                os.close(self._bell)
-                self._bell = -1
-
-    def _supervise_once(self, last_beat: float, watched: dict[int, tuple[int, int]]) -> float:
-        """One look at the ranks and the deadlines.  With pidfds it sleeps until a rank dies, the
-        soonest deadline, the next heartbeat or the bell: a busy engine's threads are not
-        interrupted 20 times a second.  Without them it polls every ``_SUPERVISOR_TICK``."""
-        self.supervisor_loops += 1
-        self._watch_pidfds(watched)
-        if watched:
-            wake = self.tracker.plan_wake(last_beat + _BEAT_S)
-            timeout = min(_BEAT_S, max(0.0, wake - time.monotonic()))
-            bell = self._bell
-            ready, _, _ = select.select([fd for _, fd in watched.values()] + [bell], [], [], timeout)
-            if bell in ready:
-                try:
-                    os.eventfd_read(bell)
-                except BlockingIOError:
-                    pass
-        else:  # keeps the tracker's planned wake current, so submissions do not ring a bell nobody polls
-            self.tracker.plan_wake(last_beat + _BEAT_S)
-            self._stop.wait(_SUPERVISOR_TICK)
-        now = time.monotonic()
-        if now - last_beat >= _BEAT_S:
-            self._beat()
-            self.metrics.flush()
-            self.server.pump()  # registers task connections, drains anything else sent there
-            last_beat = now
-        for rank, proc in list(self.procs.items()):
-            if not proc.alive() and not self.tracker.is_down(rank):
-                self._rank_died(rank, proc)
-        self.tracker.expire(now)
-        return last_beat
-
-    def _watch_pidfds(self, watched: dict[int, tuple[int, int]]) -> None:
-        """One pidfd per live rank's current process, opened once (a restarted rank gets a new one)."""
-        live = {rank: proc.pid for rank, proc in list(self.procs.items()) if not self.tracker.is_down(rank)}
-        for rank, (pid, fd) in list(watched.items()):
-            if live.get(rank) != pid:
-                os.close(fd)
-                del watched[rank]
-        if not hasattr(os, "pidfd_open"):
-            return
-        for rank, pid in live.items():
-            if rank not in watched:
-                try:
-                    watched[rank] = (pid, os.pidfd_open(pid))
-                except OSError:
-                    pass  # already reaped: the alive() check sees it
+    @property
+    def supervisor_loops(self) -> int:
+        """The supervisor's wake-ups (it sleeps until it has something to do)."""
+        return self._supervisor.loops
 
     def _rank_died(self, rank: int, proc: RankProcess) -> None:
         code = proc.popen.poll()
@@ -509,7 +437,7 @@ class CacheTransferService:
         self.procs[rank] = self._launch(rank)
         self._wait_ready([rank])
         self.tracker.mark_up(rank)
-        self._ring()  # watch the new process at once
+        self._supervisor.ring()  # watch the new process at once
         logger.info("rank %d restarted as pid %d", rank, self.procs[rank].pid)
 
     # ------------------------------------------------------------------ RL weight updates
@@ -535,12 +463,7 @@ class CacheTransferService:
         atexit.unregister(self.shutdown)
         self.tracker.close()  # pending tasks fail; every block is released: the caches go away with the service
         self.metrics.close()
-        self._stop.set()
-        self._ring()
-        if self._supervisor is not None:
-            self._supervisor.join(5.0)
-        if self._supervisor is None or not self._supervisor.is_alive():
-            self._close_bell()
+        self._supervisor.stop(5.0)
         for proc in self.procs.values():
             proc.stop(self.stop_grace)
         if self.server is not None:
