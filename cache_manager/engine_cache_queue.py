@@ -311,10 +311,7 @@ class EngineCacheQueueServer:
         if link is None:
             self._first_frame(identity, env, peer)
             return
-        if problem:
-            self._drop("replayed", problem, peer)
-            return
-        body = self._drop.parsed(env, peer)
+        body = self._drop.continued(problem, env, peer)
         if body is None:
             return
         session, kind = link.session, body["type"]

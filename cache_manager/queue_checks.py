@@ -53,6 +53,14 @@ class DropLog:
         with self._lock:
             return dict(self.by_reason)
 
+    def continued(self, problem: str | None, env: wire.Envelope, peer: str) -> dict | None:
+        """The body of a frame that continues its stream (``problem`` is None), or None: a
+        replayed, reordered or foreign frame is dropped before its body is parsed."""
+        if problem:
+            self("replayed", problem, peer)
+            return None
+        return self.parsed(env, peer)
+
     def parsed(self, env: wire.Envelope, peer: str) -> dict | None:
         """The body of an opened frame, or None: a body that is not bounded plain data is
         dropped as malformed and counted here."""

@@ -102,10 +102,7 @@ class LocalLinks:
         if bound is None:
             self._bind(link, pid, env, peer)
             return
-        if problem:
-            self._drop("replayed", problem, peer)
-            return
-        body = self._drop.parsed(env, peer)
+        body = self._drop.continued(problem, env, peer)
         if body is None:
             return
         if body["type"] == "result" and bound.session.live:
