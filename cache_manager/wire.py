@@ -140,7 +140,7 @@ def seal(payload: bytes, secret: bytes, session: bytes = NO_SESSION, stream: int
 
 
 def encode(body: dict, secret: bytes, session: bytes = NO_SESSION, stream: int = 0, counter: int = 0) -> bytes:
-    return _key(secret).seal(msgpack.packb(body, use_bin_type=True), session, stream, counter)
+    return _key(secret).seal(pack(body), session, stream, counter)
 
 
 def open_frame(frame: bytes, secret: bytes) -> Envelope:

@@ -21,8 +21,8 @@ import numpy as np
 
 from . import _block_copy
 from .dtypes import CacheDtype, cache_dtype
-from .layout import CopyPlan, HostAllocations, orient, plain_int_list, tensor_info
-from .modes import DEVICE_TO_HOST, HOST_TO_DEVICE
+from .layout import CopyPlan, HostAllocations, check_mode, orient, plain_int_list, tensor_info
+from .modes import DEVICE_TO_HOST
 from .platform import BlockIds, Platform
 from .shm import SharedMemorySegment
 
@@ -227,8 +227,8 @@ class CpuPlatform(Platform):
 
     def run_plan(self, plan: CopyPlan, device_ids: BlockIds, host_ids: BlockIds, mode: int,
                  bulk: bool = False) -> int:
-        if plain_int_list(device_ids) and plain_int_list(host_ids) and len(device_ids) == len(host_ids) \
-                and type(mode) is int and (mode == DEVICE_TO_HOST or mode == HOST_TO_DEVICE):
+        mode = check_mode(mode)
+        if plain_int_list(device_ids) and plain_int_list(host_ids) and len(device_ids) == len(host_ids):
             # A task's ids as the queue brings them: the kernel takes the lists as they are and
             # checks lengths, ranges and duplicates itself (orient's arrays cost more than a
             # small task's copy).

@@ -229,7 +229,7 @@ static void release_side(side_bufs_t *s)
 }
 
 /* Block ids as a list of ints, as a rank's tasks bring them: a numpy array per side per copy cost
- * more than the copy of a small task (ops.cpu.CpuPlatform.run_plan checks the items are ints). */
+ * more than the copy of a small task.  Each item must be an int (not a bool) within int64. */
 static int load_listed_ids(PyObject *list, side_bufs_t *s, const char *name)
 {
     Py_ssize_t n = PyList_GET_SIZE(list);
