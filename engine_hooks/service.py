@@ -66,7 +66,7 @@ from .launcher import RankProcess, launch
 from .layerwise import LayerwiseTasks
 from .metrics import CacheMetrics
 from .supervisor import Supervisor
-from .task_tracker import TaskTracker, new_future
+from .task_tracker import TaskFuture, TaskTracker
 
 if TYPE_CHECKING:
     from transfer_factory.keys import Namespace
@@ -293,11 +293,11 @@ class CacheTransferService:
         lets that answer arrive."""
         timeout = self.task_timeout if timeout is None else float(timeout)
         if self._closed or self.server is None:
-            future = new_future(released=True)
+            future = TaskFuture(released=True)
             future.set_exception(ServiceClosed("the CTM service is not running"))
             return future
         if int(self.signals[KV_CACHE_STATUS_SIGNAL].value[0]) != KVCacheStatus.NORMAL:
-            future = new_future(released=True)
+            future = TaskFuture(released=True)
             future.set_exception(CachesClearedError(
                 f"the KV caches are cleared for a weight update (kv_cache_status "
                 f"{KVCacheStatus(int(self.signals[KV_CACHE_STATUS_SIGNAL].value[0])).name}): restore_caches() first"))

@@ -87,10 +87,6 @@ class TaskFuture(Future):
             released.set_result(None)
 
 
-def new_future(released: bool = False) -> TaskFuture:
-    return TaskFuture(released)
-
-
 def aggregate(task: dict, results: dict[int, RankResult], tp: int) -> Any:
     """The task's result from every rank's answer (DESIGN §3.3)."""
     event = task.get("event_type")
@@ -139,14 +135,14 @@ class TaskTracker:
         task["deadline"] = now + timeout  # the ranks' deadline, on the clock every process of the host shares
         with self.lock:
             if self._closed:
-                future = new_future(released=True)
+                future = TaskFuture(released=True)
                 future.set_exception(ServiceClosed("the CTM service is not running"))
                 return task, future, False
             if task["task_id"] in self._pending or task["task_id"] in self._unreleased:
                 raise ValueError(f"task id {task['task_id']!r} is already pending")
             down = min(self._dead.items()) if self._dead else None
             if down is None:
-                future = new_future()
+                future = TaskFuture()
                 deadline = now + timeout + grace
                 self._pending[task["task_id"]] = Pending(task, future, deadline, timeout + grace, set(range(self.tp)))
                 self._prune_deadlines_locked()
@@ -157,7 +153,7 @@ class TaskTracker:
             if sooner and self.on_sooner_deadline is not None:
                 self.on_sooner_deadline()
             return task, future, True
-        future = new_future(released=True)
+        future = TaskFuture(released=True)
         future.set_exception(RankDiedError(task["task_id"], *down))
         self._notify(task, "rank_died", 0.0, {})
         return task, future, False
