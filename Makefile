@@ -43,9 +43,9 @@ $(DEPS): requirements.txt $(SYSDEPS) | $(PY)
 	$(PY) -m pip install -q -r requirements.txt
 	touch $@
 
-$(EXT): $(DEPS) setup.py $(wildcard ops/csrc/*.c) $(wildcard transfer_factory/csrc/*.[ch]) $(wildcard cache_manager/csrc/*.c) transfer_factory/csrc/sha256.h
+$(EXT): $(DEPS) setup.py $(wildcard ops/csrc/*.c) $(wildcard transfer_factory/csrc/*.[ch]) $(wildcard transfer_factory/file/csrc/*.[ch]) $(wildcard cache_manager/queue/csrc/*.c) transfer_factory/csrc/sha256.h
 	$(PY) setup.py -q build_ext --inplace
 	touch $@
 
 clean:
-	rm -rf build ops/_block_copy*.so transfer_factory/_file_records*.so cache_manager/_wire_check*.so cache_manager/_wire_seal*.so $(EXT)
+	rm -rf build ops/_block_copy*.so transfer_factory/file/_records*.so cache_manager/queue/_wire_check*.so cache_manager/queue/_wire_seal*.so $(EXT)

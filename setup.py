@@ -11,25 +11,26 @@ block_copy = Extension(
 # The FileStore's batch-wide record work (key digests, headers, checksums, vectored I/O, index
 # entries): see the .c file.  dl: it binds XXH3 from the xxhash package's own extension.
 file_records = Extension(
-    "transfer_factory._file_records",
-    sources=[f"transfer_factory/csrc/file_records{part}.c" for part in ("", "_io", "_sha", "_index")]
+    "transfer_factory.file._records",
+    sources=[f"transfer_factory/file/csrc/records{part}.c" for part in ("", "_io", "_sha", "_index")]
     + ["transfer_factory/csrc/sha256.c"],
-    depends=["transfer_factory/csrc/file_records.h", "transfer_factory/csrc/sha256.h"],
+    depends=["transfer_factory/file/csrc/records.h", "transfer_factory/csrc/sha256.h"],
+    include_dirs=["transfer_factory/csrc"],
     extra_compile_args=["-O3", "-std=c11", "-D_DEFAULT_SOURCE", "-Wall", "-Wextra", "-Wno-unused-parameter"],
     libraries=["dl"],
 )
 
-# The queue's check of every authenticated body (``cache_manager.wire.check_plain``).
+# The queue's check of every authenticated body (``cache_manager.queue.wire.check_plain``).
 wire_check = Extension(
-    "cache_manager._wire_check",
-    sources=["cache_manager/csrc/wire_check.c"],
+    "cache_manager.queue._wire_check",
+    sources=["cache_manager/queue/csrc/wire_check.c"],
     extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )
 
-# The queue's frame MAC, seal and open (``cache_manager.wire``), with the FileStore's SHA-256.
+# The queue's frame MAC, seal and open (``cache_manager.queue.wire``), with the FileStore's SHA-256.
 wire_seal = Extension(
-    "cache_manager._wire_seal",
-    sources=["cache_manager/csrc/wire_seal.c", "transfer_factory/csrc/sha256.c"],
+    "cache_manager.queue._wire_seal",
+    sources=["cache_manager/queue/csrc/wire_seal.c", "transfer_factory/csrc/sha256.c"],
     depends=["transfer_factory/csrc/sha256.h"],
     include_dirs=["transfer_factory/csrc"],
     extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
@@ -39,7 +40,8 @@ setup(
     name="cache-transfer-manager",
     version="0.1.0",
     description="KV-cache transfer subsystem: device <-> host swap space <-> storage",
-    packages=["cache_manager", "ops", "transfer_factory", "engine_hooks"],
+    packages=["cache_manager", "cache_manager.queue", "cache_manager.storage", "cache_manager.rank", "ops",
+              "transfer_factory", "transfer_factory.file", "transfer_factory.mooncake", "engine_hooks"],
     ext_modules=[block_copy, file_records, wire_check, wire_seal],
     python_requires=">=3.10",
     install_requires=["numpy", "pyzmq", "msgpack"],

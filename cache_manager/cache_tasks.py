@@ -12,8 +12,8 @@ from typing import Any
 
 from ops.layout import plain_int_list
 
-from .cache_data import CacheStatus
-from .layer_progress import LayerwiseRef
+from cache_manager.cache_data import CacheStatus
+from cache_manager.layer_progress import LayerwiseRef
 
 SWAP_EVENTS = (CacheStatus.SWAP2CPU, CacheStatus.SWAP2GPU)
 _STATUS_OF = {int(s): s for s in CacheStatus}

@@ -39,8 +39,8 @@ from ops.shm import SharedMemorySegment
 from transfer_factory import StorageAccess, StorageConfigError, create_storage_backend
 from transfer_factory.keys import Namespace
 
-from . import wire
-from .cache_data import (
+from cache_manager.queue import wire
+from cache_manager.cache_data import (
     CACHE_READY_SIGNAL,
     CACHE_TRANSFER_INITED_SIGNAL,
     PER_RANK_SIGNALS,
@@ -50,19 +50,19 @@ from .cache_data import (
     CacheStatus,
     cache_name,
 )
-from .cache_tasks import (ControlTask, Outcome, RankResult, ReadStorageTask, SwapTask, TaskFormatError, task_deadline,
+from cache_manager.cache_tasks import (ControlTask, Outcome, RankResult, ReadStorageTask, SwapTask, TaskFormatError, task_deadline,
                           task_from_wire)
-from .ctm_flags import NPU_COPY_ENGINE_DEFAULT, parse_args, spec_from_args
-from .engine_watch import EngineGone, EngineWatch
-from .task_scheduler import TaskScheduler
-from .kv_cache_lifecycle import KvCacheLifecycle
-from .engine_cache_queue import EngineCacheQueueClient
-from .device_storage_mover import DeviceStorageMover
-from .storage_mover import StorageMover, staging_blocks
-from .ipc_signal import IPCSignal, signal_segment_name
-from .layer_progress import LAYER_PROGRESS_SIGNAL
-from .layerwise_copy import RankLayerBoard, copy_layerwise, publishing
-from .swap_plans import SwapPlans
+from cache_manager.ctm_flags import NPU_COPY_ENGINE_DEFAULT, parse_args, spec_from_args
+from cache_manager.engine_watch import EngineGone, EngineWatch
+from cache_manager.rank.scheduler import TaskScheduler
+from cache_manager.rank.lifecycle import KvCacheLifecycle
+from cache_manager.queue.client import EngineCacheQueueClient
+from cache_manager.storage.device_mover import DeviceStorageMover
+from cache_manager.storage.staged_mover import StorageMover, staging_blocks
+from cache_manager.ipc_signal import IPCSignal, signal_segment_name
+from cache_manager.layer_progress import LAYER_PROGRESS_SIGNAL
+from cache_manager.rank.layerwise_copy import RankLayerBoard, copy_layerwise, publishing
+from cache_manager.rank.swap_plans import SwapPlans
 
 # A swap this small takes a few microseconds of memcpy, less than handing it to a pool thread:
 # the serve thread runs it (on platforms whose copies cannot stall).  Bigger swaps stay on pools,

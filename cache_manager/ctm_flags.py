@@ -14,8 +14,8 @@ import os
 import ops
 from transfer_factory import backend_names
 
-from .cache_spec import CacheSpec
-from .storage_mover import TRANSFER_MODES
+from cache_manager.cache_spec import CacheSpec
+from cache_manager.storage.staged_mover import TRANSFER_MODES
 
 CACHE_DTYPES = ("uint8", "bfloat16", "block_wise_fp8")
 

@@ -15,7 +15,7 @@ import time
 
 from ops.procs import pid_alive
 
-from .ipc_signal import IPCSignal
+from cache_manager.ipc_signal import IPCSignal
 
 EXIT_TIMEOUT_ENV = "FD_CACHE_PROC_EXIT_TIMEOUT"
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .ipc_signal import IPCSignal
+from cache_manager.ipc_signal import IPCSignal
 
 LAYER_PROGRESS_SIGNAL = "layer_progress"
 SLOTS = 256

@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from cache_manager import wire
+from cache_manager.queue import wire
 from cache_manager.cache_data import CacheStatus
 from cache_manager.cache_tasks import ReadStorageTask as OurReadStorageTask
-from cache_manager.engine_cache_queue import EngineCacheQueueServer
+from cache_manager.queue.server import EngineCacheQueueServer
 
 from .task_tracker import TaskTracker
 

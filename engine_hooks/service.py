@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 import ops
-from cache_manager import wire
+from cache_manager.queue import wire
 from cache_manager.cache_data import (
     CACHE_READY_SIGNAL,
     CACHE_TRANSFER_INITED_SIGNAL,
@@ -56,7 +56,7 @@ from cache_manager.cache_data import (
     CacheStatus,
     KVCacheStatus,
 )
-from cache_manager.engine_cache_queue import EngineCacheQueueServer
+from cache_manager.queue.server import EngineCacheQueueServer
 from cache_manager.ipc_signal import IPCSignal
 from ops.layout import plain_int_list
 

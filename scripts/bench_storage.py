@@ -45,13 +45,13 @@ quiet_paddle()
 
 import numpy as np  # noqa: E402
 
-from cache_manager.storage_mover import resolve_transfer  # noqa: E402
+from cache_manager.storage.staged_mover import resolve_transfer  # noqa: E402
 from engine_hooks import CacheSpec, CacheTransferService  # noqa: E402
 from ops.cpu import CpuPlatform  # noqa: E402
-from transfer_factory.file_store import FileStore  # noqa: E402
+from transfer_factory.file.store import FileStore  # noqa: E402
 from transfer_factory.keys import chain_hash_ids  # noqa: E402
-from transfer_factory.mooncake_master import LocalMooncakeMaster  # noqa: E402
-from transfer_factory.mooncake_store import MooncakeStore  # noqa: E402
+from scripts.local_mooncake_master import LocalMooncakeMaster  # noqa: E402
+from transfer_factory.mooncake.store import MooncakeStore  # noqa: E402
 
 TP = 2
 SEGMENT = 1 << 30

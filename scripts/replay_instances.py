@@ -102,7 +102,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def start_local_master(args: argparse.Namespace, log_dir: str):
-    from transfer_factory.mooncake_master import LocalMooncakeMaster
+    from scripts.local_mooncake_master import LocalMooncakeMaster
 
     kw = {"lease_ttl_ms": args.mooncake_lease_ttl} if args.mooncake_lease_ttl else {}
     return LocalMooncakeMaster(log_dir=log_dir, client_ttl_s=args.mooncake_client_ttl, **kw).start()
@@ -349,7 +349,7 @@ class PoolInspector:
     """A Mooncake client that mounts no memory (``global_segment_size`` 0): which blocks the pool holds."""
 
     def __init__(self, storage_options: dict, namespace: str, tp: int):
-        from transfer_factory.mooncake_store import MooncakeStore
+        from transfer_factory.mooncake.store import MooncakeStore
 
         self.namespace, self.tp = namespace, tp
         self.store = MooncakeStore(namespace="replay-inspector", rank=0, options={

@@ -28,7 +28,7 @@ import threading
 
 import _common  # puts the repo on sys.path
 
-from transfer_factory.mooncake_master import LocalMooncakeMaster, MooncakeMasterError  # noqa: E402
+from scripts.local_mooncake_master import LocalMooncakeMaster, MooncakeMasterError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,7 +77,7 @@ class FileHarness(Harness):
         return {"root": str(self.root), "fsync": False}
 
     def _rank_store(self, svc: CacheTransferService, rank: int):
-        from transfer_factory.file_store import FileStore
+        from transfer_factory.file.store import FileStore
 
         return FileStore(namespace=str(svc.namespace()), rank=rank, options=self.options())
 
@@ -113,7 +113,7 @@ class MooncakeHarness(Harness):
     cannot = {}
 
     def __init__(self, root: Path):
-        from transfer_factory.mooncake_master import LocalMooncakeMaster
+        from scripts.local_mooncake_master import LocalMooncakeMaster
 
         super().__init__(root)
         self.master = LocalMooncakeMaster(log_dir=str(root)).start()
@@ -132,7 +132,7 @@ class MooncakeHarness(Harness):
             os.kill(self.master.pid, signal.SIGCONT)
 
     def _client(self, svc, rank):
-        from transfer_factory.mooncake_store import MooncakeStore
+        from transfer_factory.mooncake.store import MooncakeStore
 
         return MooncakeStore(namespace=str(svc.namespace()), rank=rank, options=self.options())
 

@@ -21,7 +21,7 @@ import os
 import time
 from typing import Any, Mapping, Sequence
 
-from transfer_factory.file_store import FileStore
+from transfer_factory.file.store import FileStore
 from transfer_factory.kvcache_storage import KVCacheStorage
 
 MAX_LATCH_S = 60.0

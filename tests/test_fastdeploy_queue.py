@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from cache_manager import wire
+from cache_manager.queue import wire
 from cache_manager.cache_data import CacheStatus
 from cache_manager.cache_tasks import ReadStorageTask, WriteStorageTask
 from engine_hooks.fastdeploy_queue import EngineCacheQueue

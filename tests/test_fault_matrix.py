@@ -26,7 +26,7 @@ import pytest
 
 from engine_hooks import TaskTimeoutError
 from tests.test_file_store_full_disk import FS_BYTES, PAGE, files_under, fill, free_bytes
-from transfer_factory.file_store import FileStore
+from transfer_factory.file.store import FileStore
 from transfer_factory.keys import storage_key
 from tests.service_helpers import (block_bytes, fill_distinct, process_gone, segments_of, start_service, views,
                                   write_random_blocks)
@@ -544,7 +544,7 @@ def test_a_replayed_hello_from_another_connection_takes_nothing_over(tapped):
 def test_malformed_authenticated_frames_are_dropped_and_every_thread_lives(tapped):
     import zmq
 
-    from cache_manager import wire
+    from cache_manager.queue import wire
 
     svc, tap = tapped
     secret = svc._secret

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import zmq
 
-from cache_manager import wire
+from cache_manager.queue import wire
 from cache_manager.cache_data import CACHE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL, SWAP_SPACE_READY_SIGNAL
 from cache_manager.cache_tasks import RankResult
-from cache_manager.engine_cache_queue import EngineCacheQueueServer
+from cache_manager.queue.server import EngineCacheQueueServer
 from cache_manager.ipc_signal import IPCSignal
 from engine_hooks.device_caches import DeviceCaches
 from engine_hooks.service import free_port

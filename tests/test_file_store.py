@@ -1,4 +1,4 @@
-"""FileStore (transfer_factory/file_store.py): round trips, damage detection, LRU capacity, restart,
+"""FileStore (transfer_factory/file/store.py): round trips, damage detection, LRU capacity, restart,
 isolation, option checking, and concurrent threads and processes on one directory."""
 import ctypes
 import json
@@ -14,8 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transfer_factory import StorageAccess, StorageConfigError, create_storage_backend, file_index
-from transfer_factory.file_store import DEAD, HEADER_SIZE, FileStore
+from transfer_factory import StorageAccess, StorageConfigError, create_storage_backend
+from transfer_factory.file import index as file_index
+from transfer_factory.file.store import DEAD, HEADER_SIZE, FileStore
 from transfer_factory.kvcache_storage import (
     BUFFER_TOO_SMALL, CORRUPT, INVALID, NO_SPACE, NOT_FOUND, OK, UNAVAILABLE,
 )
@@ -319,7 +320,7 @@ def test_a_failed_write_is_cut_off_its_segment(store, monkeypatch):
 def test_a_write_that_accepts_no_bytes_fails_instead_of_spinning(store, tmp_path):
     """A regular file that accepts no byte (pwritev returning 0) is reported as ENOSPC by the
     record writer at once, and the store turns that into NO_SPACE with nothing left behind."""
-    from transfer_factory import _file_records
+    from transfer_factory.file import _records as _file_records
     headers = _file_records.pack_headers([bytes(32)], [4], [0])
     data = rand_bytes(4, 0)
     with open("/dev/full", "wb") as full:                # every write fails: the loop must not spin
@@ -343,7 +344,7 @@ def test_a_write_that_accepts_no_bytes_fails_instead_of_spinning(store, tmp_path
 _CRASH = r"""
 import os, sys
 import numpy as np
-from transfer_factory.file_store import FileStore
+from transfer_factory.file.store import FileStore
 root, ns, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 s = FileStore(namespace=ns, rank=0, options={"root": root, "fsync": True})
 first = np.arange(3000, dtype=np.uint8) * 7
@@ -351,7 +352,7 @@ s.batch_set([sys.argv[5]], [first.ctypes.data], [first.nbytes])
 a = np.arange(200000, dtype=np.uint8)
 if mode == "half":          # the process dies in the middle of writing the payload
     import ctypes
-    from transfer_factory import file_index
+    from transfer_factory.file import index as file_index
     def die(fd, offset, headers, ptrs, sizes, counts=None):
         os.pwrite(fd, bytes(headers[:56]) + ctypes.string_at(ptrs[0], 5000), offset)
         os._exit(17)
@@ -676,7 +677,7 @@ def workload(store, seed, iters):
 """
 _PROCESS = _WORKLOAD + r"""
 import json, sys
-from transfer_factory.file_store import FileStore
+from transfer_factory.file.store import FileStore
 root, seed, iters, cap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 with FileStore(namespace="shared", rank=0, options={"root": root, "fsync": False, "capacity_bytes": cap}) as s:
     print("ready", flush=True)

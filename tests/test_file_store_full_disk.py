@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from transfer_factory.file_store import HEADER_SIZE, FileStore
+from transfer_factory.file.store import HEADER_SIZE, FileStore
 from transfer_factory.kvcache_storage import NO_SPACE, NOT_FOUND, OK
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The FileStore's batch-wide record helpers (transfer_factory/csrc/file_records.c) against the
+"""The FileStore's batch-wide record helpers (transfer_factory/file/csrc/records.c) against the
 Python definitions they replace, and the store's bulk paths end to end: many 16 KiB objects in one
 batch, mixed sizes, damage in the middle of a big batch, batches that leave the bulk path."""
 import ctypes
@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import xxhash
 
-from transfer_factory import _file_records as fr
-from transfer_factory import file_checksums
-from transfer_factory.file_checksums import XXH3_DIRECT, checksums_at
-from transfer_factory.file_segments import (
+from transfer_factory.file import _records as fr
+from transfer_factory.file import checksums as file_checksums
+from transfer_factory.file.checksums import XXH3_DIRECT, checksums_at
+from transfer_factory.file.segments import (
     DEAD, FORMAT_VERSION, HEADER_SIZE, LIVE, Entry, Segment, pack_header, parse_header, unpack_header,
 )
-from transfer_factory.file_space import group_of
-from transfer_factory.file_store import FileStore
+from transfer_factory.file.space import group_of
+from transfer_factory.file.store import FileStore
 from transfer_factory.keys import KINDS
 from transfer_factory.kvcache_storage import BUFFER_TOO_SMALL, CORRUPT, INVALID, NOT_FOUND, OK
 
@@ -376,7 +376,7 @@ def test_note_blocks_matches_its_python_definition(seed):
 def test_reads_without_the_bound_xxh3_check_the_same(tmp_path, monkeypatch):
     """Where xxhash's library exports no XXH3 symbol, reads take read_records + a checksum call per
     object: the same hits, and a flipped payload byte is still CORRUPT."""
-    from transfer_factory import file_store_read
+    from transfer_factory.file import store_read as file_store_read
     monkeypatch.setattr(file_store_read, "XXH3_DIRECT", False)
     n, size = 300, 16 << 10
     src = np.random.default_rng(9).integers(0, 256, n * size, dtype=np.uint8)

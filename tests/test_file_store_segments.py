@@ -1,4 +1,4 @@
-"""FileStore segment format under real crashes and damage (transfer_factory/file_segments.py).
+"""FileStore segment format under real crashes and damage (transfer_factory/file/segments.py).
 
 Every check compares bytes: after a writer is SIGKILLed (at a random moment, or stopped at a
 point made observable: half-way through a batch's write, after the write but before its sync,
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from transfer_factory.file_segments import HEADER_SIZE, segment_size
-from transfer_factory.file_store import FileStore
+from transfer_factory.file.segments import HEADER_SIZE, segment_size
+from transfer_factory.file.store import FileStore
 from transfer_factory.kvcache_storage import CORRUPT, NOT_FOUND, OK, UNAVAILABLE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ payload, key_of, size_of = _ns["payload"], _ns["key_of"], _ns["size_of"]
 # prints "stopped" there and waits to be killed.
 _WRITER = _COMMON + r"""
 import os, sys, time
-from transfer_factory.file_store import FileStore
+from transfer_factory.file.store import FileStore
 
 root, first, count, batch, stop, capacity = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), \
     sys.argv[5], int(sys.argv[6])
@@ -75,7 +75,7 @@ def hold():
 
 if stop == "mid_write":             # a real partial write: half the batch's bytes reach the file
     import ctypes
-    from transfer_factory import file_index
+    from transfer_factory.file import index as file_index
     real = file_index.write_records
     def write_records(fd, offset, headers, ptrs, sizes, counts=None):
         if armed[0]:
@@ -345,7 +345,7 @@ def test_a_flipped_payload_byte_in_the_middle_is_a_miss_after_reopen(tmp_path):
 # ------------------------------------------------------------------------------------ two processes
 _BOTH = _COMMON + r"""
 import sys
-from transfer_factory.file_store import FileStore
+from transfer_factory.file.store import FileStore
 
 root, first, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 store = FileStore(NS, 0, {"root": root, "fsync": True})

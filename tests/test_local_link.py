@@ -16,10 +16,10 @@ import time
 
 import pytest
 
-from cache_manager import wire
+from cache_manager.queue import wire
 from cache_manager.cache_tasks import RankResult
-from cache_manager.engine_cache_queue import EngineCacheQueueServer
-from cache_manager.local_link import LENGTH, FrameStream, LinkClosed
+from cache_manager.queue.server import EngineCacheQueueServer
+from cache_manager.queue.local_link import LENGTH, FrameStream, LinkClosed
 from tests import test_queue_hardening as hardening
 from tests.test_queue_hardening import SECRET, Rank
 
@@ -156,7 +156,7 @@ print("closed" if s.recv(1) == b"" else "open", flush=True)
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
 def test_a_process_of_another_user_is_turned_away_at_once(server, ranks, caplog):
-    caplog.set_level("WARNING", logger="cache_manager.engine_cache_queue")
+    caplog.set_level("WARNING", logger="cache_manager.queue.server")
     out = subprocess.run([sys.executable, "-c", _OTHER_USER, server.local_path[1:]], capture_output=True, text=True,
                          timeout=TIMEOUT)
     assert out.stdout.strip() == "closed", out.stderr
@@ -239,7 +239,7 @@ print("closed" if s.recv(1) == b"" else "open", flush=True)
 def test_a_hello_from_another_process_is_refused_and_its_link_closed(server, ranks, caplog):
     """Another process replays rank 0's real hello (a valid MAC in a live session): the kernel
     says its pid is not the rank's, so the link is refused and closed; the rank keeps working."""
-    caplog.set_level("WARNING", logger="cache_manager.engine_cache_queue")
+    caplog.set_level("WARNING", logger="cache_manager.queue.server")
     hello = wire.encode({"type": "hello", "channel": "tasks"}, SECRET, server._reg.live[0].sid,
                         wire_stream_tasks_up(), 0)
     out = subprocess.run([sys.executable, "-c", _IMPOSTOR, server.local_path[1:], hello.hex()],
@@ -253,7 +253,7 @@ def test_a_hello_from_another_process_is_refused_and_its_link_closed(server, ran
 
 
 def test_a_second_hello_for_a_bound_rank_is_refused_even_from_its_own_pid(server, ranks, caplog):
-    caplog.set_level("WARNING", logger="cache_manager.engine_cache_queue")
+    caplog.set_level("WARNING", logger="cache_manager.queue.server")
     hello = wire.encode({"type": "hello", "channel": "tasks"}, SECRET, server._reg.live[0].sid,
                         wire_stream_tasks_up(), 0)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -277,6 +277,6 @@ def test_a_rank_whose_link_closes_is_unreachable_and_the_rest_carry_on(server, r
 
 
 def wire_stream_tasks_up() -> int:
-    from cache_manager.queue_session import TASKS, UP, stream
+    from cache_manager.queue.session import TASKS, UP, stream
     return stream(TASKS, UP)
 

@@ -31,9 +31,9 @@ pytest.importorskip("mooncake.store")
 from tests.service_helpers import (block_bytes, fill_distinct, process_gone, segments_of, start_service,  # noqa: E402
                                   write_random_blocks)
 from transfer_factory.keys import chain_hash_ids, storage_key  # noqa: E402
-from transfer_factory.mooncake_loopback import loopback_address  # noqa: E402
-from transfer_factory.mooncake_master import LocalMooncakeMaster  # noqa: E402
-from transfer_factory.mooncake_store import MooncakeStore  # noqa: E402
+from transfer_factory.mooncake.loopback import loopback_address  # noqa: E402
+from scripts.local_mooncake_master import LocalMooncakeMaster  # noqa: E402
+from transfer_factory.mooncake.store import MooncakeStore  # noqa: E402
 
 log = logging.getLogger(__name__)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,7 +133,7 @@ OWNER = textwrap.dedent(
     """
     import json, sys, time
     sys.path.insert(0, %r)
-    from transfer_factory.mooncake_master import LocalMooncakeMaster
+    from scripts.local_mooncake_master import LocalMooncakeMaster
     master = LocalMooncakeMaster().start()
     print(json.dumps({"pid": master.pid, "log": master.log_path}), flush=True)
     time.sleep(600)
@@ -168,7 +168,7 @@ ENGINE = textwrap.dedent(
     sys.path.insert(0, %r)
     from tests.service_helpers import fill_distinct, start_service
     from transfer_factory.keys import chain_hash_ids
-    from transfer_factory.mooncake_master import LocalMooncakeMaster
+    from scripts.local_mooncake_master import LocalMooncakeMaster
     options = json.loads(sys.argv[1])
     log_dir = options.pop("log_dir")
     master = None

@@ -20,9 +20,9 @@ pytest.importorskip("mooncake.store")
 from transfer_factory import create_storage_backend  # noqa: E402
 from transfer_factory.kvcache_storage import (BUFFER_TOO_SMALL, INVALID, NOT_FOUND, UNAVAILABLE,  # noqa: E402
                                               StorageAccess, StorageConfigError)
-from transfer_factory.mooncake_master import LocalMooncakeMaster, free_port  # noqa: E402
-from transfer_factory.mooncake_prefault import new_anonymous_ranges  # noqa: E402
-from transfer_factory.mooncake_store import (MooncakeConnectionError, MooncakeStore,  # noqa: E402
+from scripts.local_mooncake_master import LocalMooncakeMaster, free_port  # noqa: E402
+from transfer_factory.mooncake.prefault import new_anonymous_ranges  # noqa: E402
+from transfer_factory.mooncake.store import (MooncakeConnectionError, MooncakeStore,  # noqa: E402
                                              load_mooncake_config, parse_size)
 
 SMALL = {"global_segment_size": "64mb", "local_buffer_size": "16mb"}
@@ -543,8 +543,8 @@ def test_master_hung_calls_are_bounded():
 CLOSE_AFTER_KILL = """
 import json, os, sys, threading, time
 sys.path.insert(0, %r)
-from transfer_factory.mooncake_master import LocalMooncakeMaster
-from transfer_factory.mooncake_store import MooncakeStore
+from scripts.local_mooncake_master import LocalMooncakeMaster
+from transfer_factory.mooncake.store import MooncakeStore
 m = LocalMooncakeMaster().start()
 s = MooncakeStore(namespace="gone", rank=0, options={**m.config(), "global_segment_size": "16mb",
                                                      "local_buffer_size": "16mb"})

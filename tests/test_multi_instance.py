@@ -26,7 +26,7 @@ from engine_hooks import CacheSpec  # noqa: E402
 from tests.service_helpers import fill_distinct, process_gone, start_service, views  # noqa: E402
 from tests.test_replay import REPLAY, REPO, independent_ceiling, private_env, run_replay, trace_slice  # noqa: E402
 from transfer_factory.keys import chain_hash_ids  # noqa: E402
-from transfer_factory.mooncake_master import LocalMooncakeMaster  # noqa: E402
+from scripts.local_mooncake_master import LocalMooncakeMaster  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 

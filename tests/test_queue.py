@@ -6,9 +6,9 @@ import time
 import msgpack
 import pytest
 
-from cache_manager import wire
+from cache_manager.queue import wire
 from cache_manager.cache_tasks import RankResult, result_body
-from cache_manager.engine_cache_queue import EngineCacheQueueClient, EngineCacheQueueServer
+from cache_manager.queue import EngineCacheQueueClient, EngineCacheQueueServer
 
 SECRET = b"s" * 32
 

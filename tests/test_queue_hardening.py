@@ -23,10 +23,10 @@ import msgpack
 import pytest
 import zmq
 
-from cache_manager import wire
+from cache_manager.queue import wire
 from cache_manager.cache_tasks import RankResult
-from cache_manager.engine_cache_queue import EngineCacheQueueClient, EngineCacheQueueServer
-from cache_manager.queue_session import CONTROL, DOWN, FIRST_RESULTS, TASKS, UP, stream
+from cache_manager.queue import EngineCacheQueueClient, EngineCacheQueueServer
+from cache_manager.queue.session import CONTROL, DOWN, FIRST_RESULTS, TASKS, UP, stream
 
 SECRET = secrets.token_bytes(32)
 TIMEOUT = 5.0

@@ -13,7 +13,7 @@ import pytest
 from engine_hooks import CachesClearedError, CacheUpdateError, RankDiedError
 from engine_hooks.prefix_cache import TieredPrefixCache
 from cache_manager.cache_data import CACHE_READY_SIGNAL, KV_CACHE_STATUS_SIGNAL, KVCacheStatus
-from cache_manager.kv_cache_lifecycle import key_prefix_from_version
+from cache_manager.rank.lifecycle import key_prefix_from_version
 from tests.service_helpers import SMALL, block_bytes, fill_distinct, segments_of, start_service, views
 from transfer_factory.keys import chain_hash_ids
 
@@ -56,7 +56,7 @@ def storage(request, tmp_path):
     if request.param == "file":
         yield "file", {"root": str(tmp_path / "kv"), "fsync": False}
         return
-    from transfer_factory.mooncake_master import LocalMooncakeMaster
+    from scripts.local_mooncake_master import LocalMooncakeMaster
 
     with LocalMooncakeMaster(log_dir=str(tmp_path)) as master:
         yield "mooncake", {**master.config(), "global_segment_size": 64 << 20, "local_buffer_size": 16 << 20}
@@ -197,7 +197,7 @@ def test_a_draining_rank_never_detaches_while_a_task_holds_blocks(monkeypatch):
     import logging
     from types import SimpleNamespace
 
-    from cache_manager import kv_cache_lifecycle
+    from cache_manager.rank import lifecycle as kv_cache_lifecycle
     from cache_manager.cache_data import CACHE_TRANSFER_INITED_SIGNAL, SWAP_SPACE_READY_SIGNAL
 
     monkeypatch.setattr(kv_cache_lifecycle, "DRAIN_TIMEOUT", 0.05)

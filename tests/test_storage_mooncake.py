@@ -10,7 +10,7 @@ import pytest
 from engine_hooks import CacheSpec
 from tests.service_helpers import fill_distinct, start_service, views
 from transfer_factory.keys import chain_hash_ids
-from transfer_factory.mooncake_master import LocalMooncakeMaster
+from scripts.local_mooncake_master import LocalMooncakeMaster
 
 SPEC = CacheSpec(num_layers=2, num_blocks=16, kv_heads=2, block_size=4, head_dim=8, cache_dtype="block_wise_fp8",
                  num_extra_layers=1, extra_block_ratio=1.5)
@@ -47,7 +47,7 @@ def test_round_trip_is_bit_exact_with_scales_and_extra_layers(svc):
 
 def test_a_key_missing_on_one_rank_limits_the_read_to_the_minimum(svc, master):
     from transfer_factory.keys import storage_key
-    from transfer_factory.mooncake_store import MooncakeStore
+    from transfer_factory.mooncake.store import MooncakeStore
 
     fill_distinct(svc, seed=12)
     keys = chain_hash_ids([f"partial-{i}" for i in range(4)])
@@ -150,10 +150,10 @@ def test_io_threads_run_niced_and_a_staged_round_trip_stays_bit_exact(master):
     import threading
 
     from cache_manager.cache_tasks import ReadStorageTask, WriteStorageTask
-    from cache_manager.storage_mover import StorageMover, resolve_transfer
+    from cache_manager.storage.staged_mover import StorageMover, resolve_transfer
     from ops.cpu import CpuPlatform
     from transfer_factory.keys import Namespace
-    from transfer_factory.mooncake_store import MooncakeStore
+    from transfer_factory.mooncake.store import MooncakeStore
 
     platform = CpuPlatform(instance=f"nice{os.getpid()}-{time.monotonic_ns()}")
     shape, layers = [128, 2, 4, 8], 2

@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from cache_manager.storage_io import ScatterLease
+from cache_manager.storage.io_threads import ScatterLease
 from engine_hooks import CacheSpec, StartupError, TaskFailedError
 from tests.service_helpers import fill_distinct, start_service, views
-from transfer_factory.file_store import FileStore
+from transfer_factory.file.store import FileStore
 from transfer_factory.keys import chain_hashes, storage_key
 
 SPEC = CacheSpec(num_layers=2, num_blocks=16, kv_heads=2, block_size=4, head_dim=8, cache_dtype="block_wise_fp8",

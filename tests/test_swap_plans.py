@@ -8,7 +8,7 @@ import weakref
 import numpy as np
 import pytest
 
-from cache_manager.swap_plans import SwapPlans
+from cache_manager.rank.swap_plans import SwapPlans
 from ops.layout import CopyPlan, Side
 from tests.helpers import host_blocks_match, kv_swap_rig
 

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cache_manager.task_scheduler import TaskScheduler
+from cache_manager.rank.scheduler import TaskScheduler
 
 LOG = logging.getLogger("test_task_scheduler")
 

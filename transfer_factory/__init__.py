@@ -14,12 +14,12 @@ import importlib
 import os
 from typing import Any, Mapping
 
-from .device_storage import Addressing, BlockSpan, DeviceKVStorage, RankCaches
-from .kvcache_storage import KVCacheStorage, StorageAccess, StorageConfigError
+from transfer_factory.device_storage import Addressing, BlockSpan, DeviceKVStorage, RankCaches
+from transfer_factory.kvcache_storage import KVCacheStorage, StorageAccess, StorageConfigError
 
 _BACKENDS = {
-    "file": "transfer_factory.file_store:FileStore",
-    "mooncake": "transfer_factory.mooncake_store:MooncakeStore",
+    "file": "transfer_factory.file.store:FileStore",
+    "mooncake": "transfer_factory.mooncake.store:MooncakeStore",
     "attention_store": "transfer_factory.attention_store:AttentionStore",
     "ems": "transfer_factory.ems_store:EmsStore",
 }

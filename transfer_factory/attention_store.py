@@ -36,8 +36,8 @@ import socket
 import time
 from typing import Any, Mapping
 
-from .device_storage import Addressing, BlockSpan, DeviceKVStorage, RankCaches, import_sdk, option
-from .kvcache_storage import StorageConfigError
+from transfer_factory.device_storage import Addressing, BlockSpan, DeviceKVStorage, RankCaches, import_sdk, option
+from transfer_factory.kvcache_storage import StorageConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from .kvcache_storage import StorageAccess, StorageConfigError
+from transfer_factory.kvcache_storage import StorageAccess, StorageConfigError
 
 
 class Addressing(enum.Enum):

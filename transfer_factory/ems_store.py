@@ -37,8 +37,8 @@ import os
 import time
 from typing import Any, Mapping
 
-from .device_storage import Addressing, BlockSpan, DeviceKVStorage, RankCaches, import_sdk, namespaced_digest, option
-from .kvcache_storage import StorageConfigError, parse_bool
+from transfer_factory.device_storage import Addressing, BlockSpan, DeviceKVStorage, RankCaches, import_sdk, namespaced_digest, option
+from transfer_factory.kvcache_storage import StorageConfigError, parse_bool
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,185 @@
+"""Sessions of the EngineCacheQueue: who may say what, on which connection, in which order.
+
+Handshake (the control connection of one rank process):
+
+1. client -> server  ``hello {rank, pid, nonce}`` in no session (``wire.NO_SESSION``).
+   Refused outright while the rank has a live session: a live rank is never displaced,
+   until the engine calls ``forget_rank`` (it knows the process died, or restarts it).
+2. server -> client  ``welcome {nonce, rank, task_port}`` in a fresh random session S.  The
+   client accepts only the welcome that echoes its own nonce.
+3. client -> server  ``ready`` in session S.  Only a holder of the secret can MAC a frame for
+   a session it just heard of, so a replayed hello never gets past step 2: it registers
+   nothing and displaces nobody.  The rank is live from here.
+
+Every connection carries streams: ``stream = channel * 2 + direction`` (channel 0 control,
+1 tasks, 2+i a worker thread's result channel; direction 0 to the server, 1 to the client),
+and every frame carries the next counter of its stream, starting at 0.  A receiver accepts
+a frame only in its connection's session, on its stream, with the counter it expects next:
+a replayed, reordered or cross-connection frame is dropped.
+
+The task channel (on the task port) and each result channel open with a ``hello`` in session
+S on their own stream, counter 0.  Each can be bound to one connection, once per session, so
+a replay of that hello from another connection is refused.
+
+A rank on the engine's host opens its task channel on the local link instead (``local_link``):
+the same hello, on a Unix socket whose peer must be the session's pid.  That channel carries the
+rank's results up on the task channel's upstream, counters 1, 2, ...: no result channels.
+
+Not thread-safe: the server serialises every call under its own lock.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from cache_manager.queue import wire
+
+UP, DOWN = 0, 1  # to the server, to the client
+CONTROL, TASKS, FIRST_RESULTS = 0, 1, 2
+MAX_RESULT_CHANNELS = 4096  # worker threads of one rank process
+MAX_PENDING = 64  # handshakes between welcome and ready; replayed hellos fill this and nothing else
+
+
+def stream(channel: int, direction: int) -> int:
+    return channel * 2 + direction
+
+
+@dataclass(eq=False)
+class Session:
+    sid: bytes
+    rank: int
+    pid: int
+    control: bytes  # routing id of the control connection
+    live: bool = False
+    task_identity: bytes | None = None
+    local: object | None = None  # the local link carrying the task channel, if the rank took one
+    result_channels: set[int] = field(default_factory=set)
+    sent: dict[int, int] = field(default_factory=lambda: {CONTROL: 0, TASKS: 0})  # next counter per channel down
+
+    def next_counter(self, channel: int) -> int:
+        return self.sent[channel]
+
+    def advance(self, channel: int) -> None:
+        """Call once the frame stamped with ``next_counter(channel)`` left."""
+        self.sent[channel] += 1
+
+
+@dataclass(eq=False)
+class Link:
+    """One peer connection bound to one stream of one session."""
+
+    session: Session
+    channel: int
+    expect: int = 1  # the counter of the next frame from the peer (its hello or ready was 0)
+
+
+class Registry:
+    def __init__(self, num_ranks: int):
+        self.num_ranks = num_ranks
+        self.live: dict[int, Session] = {}
+        self.pending: collections.OrderedDict[bytes, Session] = collections.OrderedDict()
+        self.links: dict[bytes, Link] = {}  # control-port routing ids: control and result connections
+        self.task_links: dict[bytes, Link] = {}  # task-port routing ids
+        self.local_links: dict[object, Link] = {}  # local link -> its task channel
+
+    # -- lookups ------------------------------------------------------------------
+    def session(self, sid: bytes) -> Session | None:
+        live = next((s for s in self.live.values() if s.sid == sid), None)
+        return live or self.pending.get(sid)
+
+    def reachable(self) -> dict[int, Session]:
+        """Live ranks whose task channel is bound: those a broadcast reaches."""
+        return {rank: s for rank, s in self.live.items() if s.task_identity is not None or s.local is not None}
+
+    @staticmethod
+    def continues(link: Link, env: wire.Envelope) -> str | None:
+        """Why ``env`` is not the next frame of ``link``'s upstream, or None (and the link advances)."""
+        if env.session != link.session.sid:
+            return "frame of another session (cross-connection or replayed)"
+        if env.stream != stream(link.channel, UP):
+            return f"frame of stream {env.stream} on stream {stream(link.channel, UP)}"
+        if env.counter != link.expect:
+            return f"counter {env.counter}, expected {link.expect} (replayed or reordered)"
+        link.expect += 1
+        return None
+
+    # -- handshake ----------------------------------------------------------------
+    def open_control(self, identity: bytes, rank: int, pid: int) -> Session:
+        """Step 1 -> 2: a pending session for a hello (the caller checked the rank is not live)."""
+        session = Session(wire.new_session(), rank, pid, identity)
+        self.pending[session.sid] = session
+        self.links[identity] = Link(session, CONTROL, expect=0)
+        while len(self.pending) > MAX_PENDING:
+            _, old = self.pending.popitem(last=False)
+            self._unlink(old)
+        return session
+
+    def make_live(self, session: Session) -> str | None:
+        """Step 3: the session's ``ready`` arrived.  Why it cannot go live, or None."""
+        current = self.live.get(session.rank)
+        if current is not None:
+            self.pending.pop(session.sid, None)
+            self._unlink(session)
+            return f"rank {session.rank} is live on another connection (pid {current.pid})"
+        self.pending.pop(session.sid, None)
+        session.live = True
+        self.live[session.rank] = session
+        return None
+
+    def bind(self, identity: bytes, env: wire.Envelope, task_port: bool) -> str | None:
+        """A task or result channel's hello: bind this connection to its stream.  Why not, or None."""
+        session = self.session(env.session)
+        if session is None:
+            return "hello in an unknown session"
+        channel, direction = divmod(env.stream, 2)
+        if direction != UP or env.counter != 0:
+            return f"channel hello on stream {env.stream} counter {env.counter}"
+        if task_port:
+            if channel != TASKS:
+                return f"channel {channel} on the task port"
+            if session.task_identity is not None:
+                return f"task channel of rank {session.rank} already bound (replayed hello?)"
+            session.task_identity = identity
+            self.task_links[identity] = Link(session, TASKS)
+            return None
+        if not FIRST_RESULTS <= channel < FIRST_RESULTS + MAX_RESULT_CHANNELS:
+            return f"channel {channel} on the control port"
+        if channel in session.result_channels:
+            return f"result channel {channel} of rank {session.rank} already bound (replayed hello?)"
+        session.result_channels.add(channel)
+        self.links[identity] = Link(session, channel)
+        return None
+
+    def bind_local(self, link: object, env: wire.Envelope, peer_pid: int) -> str | None:
+        """A local link's hello: bind it as its session's task channel.  Why not, or None."""
+        session = self.session(env.session)
+        if session is None:
+            return "hello in an unknown session"
+        if (env.stream, env.counter) != (stream(TASKS, UP), 0):
+            return f"local link hello on stream {env.stream} counter {env.counter}"
+        if peer_pid != session.pid:
+            return f"local link of pid {peer_pid} for rank {session.rank}, whose pid is {session.pid}"
+        if session.task_identity is not None or session.local is not None:
+            return f"task channel of rank {session.rank} already bound (replayed hello?)"
+        session.local = link
+        self.local_links[link] = Link(session, TASKS)
+        return None
+
+    def unbind_local(self, link: object) -> None:
+        """The local link closed: its rank is unreachable until a new process of it registers."""
+        bound = self.local_links.pop(link, None)
+        if bound is not None and bound.session.local is link:
+            bound.session.local = None
+
+    # -- removal -------------------------------------------------------------------
+    def forget(self, rank: int) -> None:
+        session = self.live.pop(rank, None)
+        if session is not None:
+            session.live = False  # a frame of it already being handled must not act either
+            self._unlink(session)
+
+    def _unlink(self, session: Session) -> None:
+        for table in (self.links, self.task_links, self.local_links):
+            for identity in [i for i, link in table.items() if link.session is session]:
+                del table[identity]
+        session.local = None

@@ -1,0 +1,249 @@
+"""Order and lifetime of one rank's tasks (DESIGN §3.8).
+
+The CTM's serve thread hands every task here in receive order (= the engine's submission
+order).  Contracts:
+
+* **Per-block order.** Tasks that touch the same device block or host slot take effect in
+  submission order, whatever their kinds: a task waits for every earlier task that shares a
+  resource with it, and only then goes to its kind's thread pool.  Unrelated tasks run in
+  parallel.  Waiting costs no thread: a task is submitted from its last predecessor's
+  completion.  A small host copy with nothing to wait for runs on the serve thread itself.
+* **Deadlines.** A task whose deadline (``time.monotonic()``, CLOCK_MONOTONIC, one clock for
+  every process of the host) has passed is never started.  A task still waiting for a
+  predecessor at its deadline is answered then ("never started"); it keeps its place in the
+  order until its predecessors are done, so a later task on the same blocks still waits for
+  them.
+* **Answers and releases.** A task's answer leaves once its body returned, so nothing of it
+  touches its blocks afterwards.  A body may return an ``Outcome`` with ``still_running``: an
+  I/O that touches the task's blocks and outlived the deadline.  The answer then leaves at
+  once with ``released=False``, and a release note follows when that I/O ends; the task's
+  blocks stay ordered behind it until then.
+* **Nothing kills the caller.** A body's exception becomes an error answer; a failure to send
+  is logged.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable
+
+from cache_manager.cache_tasks import Outcome, RankResult
+
+logger = logging.getLogger(__name__)
+
+Resource = Hashable
+FAIL = object()  # drop_value of tasks whose drop is an error (swaps); storage tasks drop to 0 blocks
+
+
+class _Released:
+    """Whether nothing of a task touches its resources any more, and who waits for that.
+
+    What the scheduler needed of a ``concurrent.futures.Future`` (``done``,
+    ``add_done_callback``, ``set_result``) without its condition variable and re-entrant lock,
+    which cost a few microseconds on every task's path."""
+
+    __slots__ = ("_lock", "_done", "_callbacks")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = False
+        self._callbacks: list[Callable[[Any], None]] = []
+
+    def done(self) -> bool:
+        return self._done
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(self)`` once released: now, on this thread, if it already is."""
+        with self._lock:
+            if not self._done:
+                self._callbacks.append(fn)
+                return
+        self._call(fn)
+
+    def set_result(self, _result: Any) -> None:
+        with self._lock:
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._call(fn)
+
+    def _call(self, fn: Callable[[Any], None]) -> None:
+        try:
+            fn(self)
+        except Exception:  # as a Future's callbacks: one that raises costs itself, not the others
+            logger.exception("a callback of a task's release failed")
+
+
+@dataclass(eq=False, slots=True)
+class _Entry:
+    task_id: str
+    seq: int
+    pool: str
+    fn: Callable[[], Any]
+    resources: frozenset
+    deadline: float | None
+    drop_value: Any  # the answer's value when the task is dropped; _FAIL: an error answer
+    done: _Released = field(default_factory=_Released)  # once nothing of the task touches its resources
+    state: str = "waiting"  # waiting -> queued -> running; or dropped (answered, never started)
+    blockers: int = 0
+
+
+class TaskScheduler:
+    def __init__(self, pools: dict[str, ThreadPoolExecutor], rank: int,
+                 send: Callable[[RankResult], None], log: logging.Logger):
+        self._pools = pools
+        self._rank = rank
+        self._send = send
+        self._log = log
+        self._lock = threading.Lock()
+        self._last: dict[Resource, _Entry] = {}  # resource -> latest task that touches it
+        self._waiting: set[_Entry] = set()
+        self._deadlines: list[tuple[float, int, _Entry]] = []  # heap over waiting tasks; stale heads are skipped
+        self.dropped = 0  # tasks answered without being started (deadline passed)
+        self._active = 0  # tasks submitted and not finished (waiting, running, or held by a late I/O)
+
+    # ------------------------------------------------------------------ intake (serve thread)
+    def submit(self, task_id: str, seq: int, pool: str, resources: Iterable[Resource], deadline: float | None,
+               fn: Callable[[], Any], drop_value: Any = FAIL, inline: bool = False) -> None:
+        """Queue ``fn`` behind every earlier task that shares a resource with it.  ``inline``: the
+        body is short and cannot block (a small host copy), so when nothing blocks it, it runs
+        here, on the calling thread, without the hand-off to its pool (a round trip's largest cost)."""
+        entry = _Entry(task_id, seq, pool, fn, frozenset(resources), deadline, drop_value)
+        with self._lock:
+            self._active += 1
+            # A load names a resource per block and slot (128 for 64 blocks): looked up and
+            # claimed with C-level map and update, not a Python step per resource.
+            earlier = set(map(self._last.get, entry.resources))
+            earlier.discard(None)
+            blockers = {b for b in earlier if not b.done.done()}
+            self._last.update(dict.fromkeys(entry.resources, entry))
+            if inline and not blockers:
+                entry.state = "queued"
+            else:
+                entry.blockers = len(blockers) + 1  # +1: released below, once every callback is attached
+                self._waiting.add(entry)
+                if deadline is not None and blockers:
+                    heapq.heappush(self._deadlines, (deadline, seq, entry))
+        if entry.state == "queued":
+            self._run(entry)
+            return
+        for b in blockers:
+            b.done.add_done_callback(lambda _f, e=entry: self._unblock(e))
+        self._unblock(entry)
+
+    def expire_waiting(self) -> None:
+        """Answer the waiting tasks whose deadline passed (they will never start)."""
+        if not self._deadlines:  # the serve loop asks after every poll; usually nothing waits
+            return
+        now = time.monotonic()
+        expired = []
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, _, e = heapq.heappop(self._deadlines)
+                if e in self._waiting:
+                    self._waiting.discard(e)
+                    e.state = "dropped"
+                    expired.append(e)
+        for e in expired:
+            self._drop(e, "waited for earlier tasks on the same blocks past its deadline")
+
+    def next_deadline(self) -> float | None:
+        if not self._deadlines:
+            return None
+        with self._lock:
+            while self._deadlines and self._deadlines[0][2] not in self._waiting:
+                heapq.heappop(self._deadlines)  # started or dropped since: no longer a deadline to watch
+            return self._deadlines[0][0] if self._deadlines else None
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    def active(self) -> int:
+        """Tasks not finished: waiting, running, or holding their blocks for a late I/O."""
+        with self._lock:
+            return self._active
+
+    # ------------------------------------------------------------------ internals
+    def _unblock(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.blockers -= 1
+            if entry.blockers > 0:
+                return
+            if entry.state == "dropped":
+                ready = False  # answered already; it only held its place in the order
+            else:
+                self._waiting.discard(entry)
+                entry.state = "queued"
+                ready = True
+        if not ready:
+            self._finish(entry)
+            return
+        try:
+            self._pools[entry.pool].submit(self._run, entry)
+        except RuntimeError as exc:  # the pool is shut down: the CTM is stopping
+            self._answer(entry, RankResult(entry.task_id, self._rank, False, error=f"not run: {exc}",
+                                           recv_seq=entry.seq))
+            self._finish(entry)
+
+    def _run(self, entry: _Entry) -> None:
+        if entry.deadline is not None and time.monotonic() > entry.deadline:
+            entry.state = "dropped"
+            self._drop(entry, "its deadline passed before it could start")
+            self._finish(entry)
+            return
+        entry.state = "running"
+        t0 = time.perf_counter()
+        late: Future | None = None
+        try:
+            out = entry.fn()
+            if not isinstance(out, Outcome):
+                out = Outcome(value=out)
+            late = out.still_running
+            result = RankResult(entry.task_id, self._rank, True, value=out.value, recv_seq=entry.seq,
+                                bytes_moved=int(out.bytes_moved), released=late is None,
+                                storage_calls=out.storage_calls, storage_failures=out.storage_failures)
+        except Exception as exc:  # the task fails; the CTM keeps serving
+            self._log.error("task %s failed: %s: %s", entry.task_id, type(exc).__name__, exc)
+            result = RankResult(entry.task_id, self._rank, False, error=f"{type(exc).__name__}: {exc}",
+                                recv_seq=entry.seq)
+        result.elapsed_ms = (time.perf_counter() - t0) * 1e3
+        self._answer(entry, result)
+        if late is None:
+            self._finish(entry)
+        else:
+            late.add_done_callback(lambda _f: self._release_late(entry))
+
+    def _release_late(self, entry: _Entry) -> None:
+        self._log.warning("task %s: the I/O that outlived its deadline has ended; its blocks are released",
+                          entry.task_id)
+        self._answer(entry, RankResult(entry.task_id, self._rank, True, recv_seq=entry.seq, released=True))
+        self._finish(entry)
+
+    def _drop(self, entry: _Entry, why: str) -> None:
+        self.dropped += 1
+        self._log.warning("task %s not started: %s", entry.task_id, why)
+        if entry.drop_value is FAIL:
+            result = RankResult(entry.task_id, self._rank, False, recv_seq=entry.seq,
+                                error=f"DeadlineExceeded: not started on rank {self._rank}: {why}")
+        else:
+            result = RankResult(entry.task_id, self._rank, True, value=entry.drop_value, recv_seq=entry.seq)
+        self._answer(entry, result)
+
+    def _answer(self, entry: _Entry, result: RankResult) -> None:
+        try:
+            self._send(result)
+        except Exception as exc:  # the queue is closing; the engine's deadline covers the lost answer
+            self._log.error("cannot send the answer to task %s: %s", entry.task_id, exc)
+
+    def _finish(self, entry: _Entry) -> None:
+        with self._lock:
+            self._active -= 1
+            for r in entry.resources:
+                if self._last.get(r) is entry:
+                    del self._last[r]
+        entry.done.set_result(None)

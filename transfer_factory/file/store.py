@@ -1,0 +1,335 @@
+"""FileStore: the embedded default storage backend, many objects per file on a local disk.
+
+Layout (DESIGN §3.7, §4)
+------------------------
+Objects live under ``{root}/{namespace}/rank{rank}/`` in append-only **segment files**
+``{creation time ns:016x}.{random:08x}.seg``.  A segment is records back to back, one per object:
+a 56-byte header (magic ``CTKR`` live or ``CTKD`` dead, version, flags, payload length, payload
+checksum (XXH3, low 32 bits), the key's SHA-256, and a CRC32 of the header itself), then the
+payload; the byte table,
+the scan and the locks are in file_segments.py.  Objects of a few KiB no longer cost a file each:
+a replay that made 122,000 files makes a few dozen segments, and removing a store is a
+``shutil.rmtree`` of those.  Modules: file_store_write.py (batches, commit, dead marks),
+file_store_read.py, file_index.py (open, scan, refresh, append), file_space.py (capacity,
+eviction, reclaiming, full disks), file_checksums.py, file_store_io.py (options, modes, I/O).
+
+Per-record work is batch-wide: the C helper ``_records`` (csrc/records*.c) hashes every
+key of a batch, packs and checks every header of a run, checksums payloads (XXH3 taken from the
+xxhash package's own library, the GIL let go), moves a run of records with vectored I/O and makes
+the index entries, one call for many records; Python plans and checks per batch or per piece, and
+falls back to object-by-object paths only for a batch that is not simple (a duplicate, an invalid
+buffer, a stored key, a failed check).  At 16 KiB objects the Python cost per record had been
+several times the cost of copying it.
+
+Writes (group commit): a ``batch_set`` appends all its new records to this instance's *active*
+segment, one vectored write per chunk of up to 8 MiB (each chunk checksummed with XXH3 just before),
+then makes them durable with one ``fdatasync`` (option ``fsync``, default on; plus one
+directory fsync when the segment is new), and only then reports OK and enters them in the index.
+A failed write (ENOSPC, EIO, a short write) truncates the segment back to where the batch began.
+Each process appends only to segments it created and holds shared (flock) while it does; a
+segment is sealed once past the segment size (``file_segments.segment_size``), and the next batch
+opens a new one.  A ``batch_set`` of a key already indexed with the same size, whose record on
+disk is still live, is a success that writes nothing: the key names the content (the same key is
+the same prefix's KV), so the first copy stays.
+
+Reads: the keys of a ``batch_get`` are grouped per segment and sorted by offset; each run of
+adjacent records is read with vectored reads into the callers' buffers (headers into a scratch
+buffer), each payload checksummed right after its part of the run is read (still in cache); then
+every header must equal, byte for byte, the one the index expects and every payload's checksum
+must match, or the key is a miss.  A record whose header is valid but whose payload fails its
+checksum is ``CORRUPT``: logged, marked dead on disk (so no process, and no restart, serves it again)
+and no bytes reported as read; one whose header is damaged is ``CORRUPT`` too and is dropped from
+the index; one another process deleted meanwhile is ``NOT_FOUND``.
+
+Why a crash never yields wrong data: (1) a record enters the index only when its header is valid
+(its own CRC, a known magic and version), and is served only when the header read back is the one
+the index expects (same key digest, length and payload checksum, still live) and the payload's
+checksum matches, at every read; so a torn or half-flushed record, whatever the crash left of it, is a
+miss; (2) bytes are only ever appended past the end of a segment its own process writes, or
+truncated back to a batch's start there, so a crash in a write cannot touch a record written
+before it; the only in-place write is the 4-byte dead magic, which lands or not, and a torn one
+is neither magic: a miss; (3) a compaction copies records verbatim after checking them and
+removes the old segment only once the copies are durable, so a crash between leaves two right
+copies; (4) OK is reported only after the fdatasync.  The index is rebuilt on open by scanning
+every segment's headers (a torn tail or a damaged record in the middle is stepped over,
+``file_segments.scan``); no separate index file can disagree with the segments.  The order of
+objects after a restart is their write order (reads are not recorded on disk).
+
+Capacity (file_space.py): an in-memory LRU index (key digest -> record) counts header + payload
+of every live object (``used_bytes``); a set that would exceed ``capacity_bytes`` first evicts the
+least recently used objects (a whole block when its objects are known), never one the running
+batch stored or relies on; an object alone larger than the capacity is ``NO_SPACE``.  The disk
+is reclaimed by segment (``disk_bytes``): while the segments total more than the capacity
+plus one segment, the segment with the most dead bytes is dropped whole when nothing in it is
+live, else its live records are copied into the active segment first (compaction).  Evicted
+records are marked dead after the batch's commit (a 4-byte write each, not synced): one whose
+mark a crash lost comes back after a restart, with its right bytes.
+
+Full disks (DESIGN §4): a write that fails with ENOSPC or EDQUOT, at write or fsync, or that
+accepts no bytes, truncates its partial batch, drops whole segments of this store in LRU order
+until the batch should fit (per ``statvfs``; nothing when even an empty cache would not make
+room) and retries once; if that fails too its keys report ``NO_SPACE``, quickly and with nothing
+left behind.  Object groups: keys ``{namespace}/{hash}/{rank}/{k|v|k_scale|v_scale}`` of one block
+are stored all or none within a batch; when one fails, the others of its block report the same
+code and are removed (marked dead when already on disk).
+
+Processes: each opens the same rank directory with its own index; records other processes append
+are picked up (by an incremental scan of new segment bytes) when a key is missing from the index
+and at least once a second; a record another process deleted or a segment it reclaimed reads as a
+miss.  If the rank directory is removed or replaced while open, calls report ``UNAVAILABLE`` (a
+replaced one is re-scanned), never the old bytes.
+
+Modes: segment files are 0600 and every directory the store creates is 0700, whatever the umask;
+files and the store's own directories left looser by an older version are tightened on open; the
+fan-out directories of the older one-file-per-object format are removed on open.
+
+Options: ``root`` (default ``$CTM_FILE_STORE_ROOT``, else FastDeploy's ``$FILE_BACKEND_STORAGE_DIR``, else
+``~/.cache/cache-transfer-manager/kv``),
+``capacity_bytes`` (default ``$CTM_FILE_STORE_CAPACITY``, else 64 GiB; an int, or a string with an
+optional K/M/G/T binary suffix), ``fsync`` (default True).  A bad or unknown option raises
+``StorageConfigError`` naming it.  No pickle anywhere: payloads are raw bytes.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple, Sequence
+
+from transfer_factory.file._records import key_groups, note_blocks
+from transfer_factory.file.index import IndexMixin
+from transfer_factory.file.segments import DEAD, HEADER_SIZE, LIVE, Entry, Segment
+from transfer_factory.file.space import SpaceMixin
+from transfer_factory.file.store_io import (
+    DEFAULT_CAPACITY, DEFAULT_ROOT, DIR_MODE, ENV_CAPACITY, ENV_ROOT, OPTIONS, Views, makedirs_private,
+    resolve_options, tighten, valid_ptr, valid_size,
+)
+from transfer_factory.file.store_read import ReadMixin
+from transfer_factory.file.store_write import WriteMixin
+from transfer_factory.keys import KINDS
+from transfer_factory.kvcache_storage import (
+    INVALID, NOT_FOUND, OK, UNAVAILABLE, KVCacheStorage, StorageAccess, StorageConfigError, check_batch,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_CAPACITY", "DEFAULT_ROOT", "ENV_CAPACITY", "ENV_ROOT", "FileStore", "HEADER_SIZE", "LIVE",
+           "DEAD", "Location"]
+
+
+def _key_digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+class Location(NamedTuple):
+    """Where an object's record lies: ``length`` bytes at ``offset`` of ``path`` (header first)."""
+    path: Path
+    offset: int
+    length: int
+
+
+class FileStore(WriteMixin, ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
+    """Objects as checksummed records in segment files under ``{root}/{namespace}/rank{rank}/``."""
+
+    name = "file"
+    access = StorageAccess.HOST_STAGED
+    supports_multi_buffer = True
+
+    def __init__(self, namespace: str, rank: int, options: Mapping[str, Any] | None = None) -> None:
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise StorageConfigError(f"unknown file store option(s) {', '.join(map(repr, unknown))}; "
+                                     f"known: {', '.join(OPTIONS)}")
+        if (not isinstance(namespace, str) or not namespace or namespace in (".", "..")
+                or "/" in namespace or "\\" in namespace or "\x00" in namespace):
+            raise StorageConfigError(f"file store namespace {namespace!r} must be a non-empty name without "
+                                     f"path separators")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise StorageConfigError(f"file store rank {rank!r} must be a non-negative integer")
+
+        root, root_source, self.capacity_bytes, self.fsync, self.staged_read_piece_bytes = resolve_options(options)
+        self.namespace = namespace
+        self.rank = rank
+        self.root = Path(root)
+        self.directory = self.root / namespace / f"rank{rank}"
+        try:
+            created = makedirs_private(str(self.directory))
+        except OSError as exc:
+            raise StorageConfigError(f"file store option root ({root_source}) {str(self.root)!r}: cannot create "
+                                     f"{str(self.directory)!r}: {exc.strerror or exc}") from None
+        if not os.access(self.directory, os.R_OK | os.W_OK | os.X_OK):
+            raise StorageConfigError(f"file store option root ({root_source}) {str(self.root)!r}: "
+                                     f"{str(self.directory)!r} is not writable")
+        if created:
+            logger.info("file store: created %s (mode %o)", ", ".join(created), DIR_MODE)
+        for own in (self.root / namespace, self.directory):
+            # These two are the store's own even when an older version or a looser umask made them.
+            try:
+                if tighten(str(own), os.stat(own), DIR_MODE):
+                    logger.info("file store: %s was readable by others; now mode %o", own, DIR_MODE)
+            except OSError:
+                pass
+
+        self._dir = str(self.directory)
+        st = os.stat(self._dir)
+        self._dir_id = (st.st_dev, st.st_ino)
+        self._lock = threading.RLock()        # the index and the segment table
+        self._wlock = threading.RLock()       # appends, and every flock taken or dropped: one at a time
+        self._index: OrderedDict[bytes, Entry] = OrderedDict()   # key digest -> live record, LRU first
+        self._used = 0
+        # digest -> the digests of its block's objects, for blocks this instance stored or read whole:
+        # eviction removes a block at once rather than leave half of it taking space.
+        self._siblings: dict[bytes, tuple[bytes, ...]] = {}
+        self._doomed: list[tuple[bytes, Entry]] = []   # evicted records whose dead mark is still to write
+        self._segments: dict[str, Segment] = {}
+        self._active: Segment | None = None
+        self._disk = 0                        # bytes of all segments this instance knows
+        self._last_refresh = 0.0
+        self._closed = False
+        self._views = Views()
+        self._open()
+        logger.info("file store %s: %d objects in %d segments, %d of %d bytes used (%d on disk), segment size %d, "
+                    "fsync %s", self.directory, len(self._index), len(self._segments), self._used,
+                    self.capacity_bytes, self._disk, self.segment_bytes, self.fsync)
+
+    # ----------------------------------------------------------------------------------- index
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of live records (headers included) in the index."""
+        return self._used
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the segment files this instance knows (live, dead and not yet scanned)."""
+        return self._disk
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def object_location(self, key: str) -> Location | None:
+        """Where ``key``'s record is (None when it is not in the index): for tests that damage it."""
+        with self._lock:
+            e = self._index.get(self._digest(key))
+            return None if e is None else Location(Path(e.seg.path), e.offset, e.size)
+
+    def _note_blocks(self, digests: Sequence[bytes | None], keys: Sequence[Any], done: Sequence[bool],
+                     groups: Sequence[str | None] | None = None) -> None:
+        """Remembers which objects form one block, for blocks whose every object just succeeded."""
+        siblings = self._siblings
+        if all(map(siblings.__contains__, filter(None, digests))):
+            return                                        # nothing new (the common read of stored blocks)
+        if groups is None:
+            groups = key_groups(keys, KINDS)
+        with self._lock:                                  # one pass in C: a dict op or two per object
+            note_blocks(groups, digests, done, self._index, siblings)
+
+    def _usable(self) -> bool:
+        """False (logged) when the store is closed or its directory is gone; a directory replaced by
+        a new one is scanned afresh, since every file this instance holds open was removed."""
+        if self._closed:
+            return False
+        try:
+            st = os.stat(self._dir)
+        except OSError as exc:
+            logger.warning("file store %s: directory unusable: %s", self.directory, exc.strerror or exc)
+            return False
+        if (st.st_dev, st.st_ino) != self._dir_id:
+            logger.warning("file store %s: the directory was replaced; scanning the new one", self.directory)
+            with self._wlock, self._lock:
+                self._dir_id = (st.st_dev, st.st_ino)
+                self._reset()
+                self._open()
+        return True
+
+    # ------------------------------------------------------------------------------------ interface
+    def register_buffer(self, ptr: int, size: int) -> None:
+        """Nothing to register for plain file I/O; refuses nonsense so caller bugs surface here."""
+        if not valid_ptr(ptr):
+            raise ValueError(f"register_buffer: pointer {ptr!r} must be a positive integer")
+        if not valid_size(size) or size == 0:
+            raise ValueError(f"register_buffer: size {size!r} must be a positive integer")
+
+    def batch_get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        check_batch(keys, ptrs, sizes)
+        return self._get_batch(keys, ptrs, sizes, multi=False)
+
+    def batch_get_multi(self, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
+                        size_lists: Sequence[Sequence[int]]) -> list[int]:
+        check_batch(keys, ptr_lists, size_lists)
+        return self._get_batch(keys, [list(p) for p in ptr_lists], [list(s) for s in size_lists], multi=True)
+
+    def batch_set(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        check_batch(keys, ptrs, sizes)
+        return self._set_batch(keys, ptrs, sizes, multi=False)
+
+    def batch_set_multi(self, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
+                        size_lists: Sequence[Sequence[int]]) -> list[int]:
+        check_batch(keys, ptr_lists, size_lists)
+        return self._set_batch(keys, [list(p) for p in ptr_lists], [list(s) for s in size_lists], multi=True)
+
+    def delete(self, keys: Sequence[str]) -> list[int]:
+        """Per key: 0 removed (its record marked dead on disk), ``NOT_FOUND`` when there was none."""
+        if not self._usable():
+            return [UNAVAILABLE] * len(keys)
+        self._refresh()                                   # see the copies other processes stored
+        out = []
+        touched: set[Segment] = set()
+        for key in keys:
+            if not isinstance(key, str) or not key:
+                out.append(INVALID)
+                continue
+            d = self._digest(key)
+            code = NOT_FOUND
+            for _ in range(2):                            # a second look if another process moved it
+                with self._lock:
+                    e = self._index.get(d)
+                    if e is None:
+                        break
+                    self._drop_entry_locked(d)
+                marked = self._mark_dead(d, e)
+                if marked is None:                        # its segment was reclaimed: look again
+                    self._refresh()
+                    continue
+                if marked:
+                    code = OK
+                    with self._lock:
+                        if not e.seg.closed and e.seg not in touched:
+                            self._pin(e.seg)
+                            touched.add(e.seg)
+                break
+            out.append(code)
+        for seg in touched:
+            try:
+                if self.fsync:
+                    os.fdatasync(seg.fd)
+            except OSError as exc:
+                logger.warning("file store %s: cannot sync deletes in %s: %s", self.directory, seg.name, exc)
+            finally:
+                with self._lock:
+                    self._unpin(seg)
+        return out
+
+    def clear(self) -> None:
+        """Removes every object of this namespace and rank: every segment file, whoever wrote it."""
+        if self._closed:
+            raise RuntimeError("file store is closed")
+        with self._wlock, self._lock:
+            self._reset()
+            removed = self._remove_files()
+        logger.info("file store %s: cleared %d segment files", self.directory, removed)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._wlock:
+            self._bury()
+            with self._lock:
+                self._reset()
+
+    _digest = staticmethod(functools.lru_cache(maxsize=1 << 16)(_key_digest))

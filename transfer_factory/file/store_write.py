@@ -1,0 +1,263 @@
+"""The FileStore's writes and deletes (file_store.py has the design): planning a batch against
+the capacity and its object groups, the group commit (one write, one sync), and dead marks.
+
+The commit works batch-wide: the checksums, headers and the vectored write of a chunk of records
+are one call each into ``_records`` (no per-record memoryview, header or tuple in Python), so
+that at 16 KiB objects the Python cost per record stays below the cost of copying it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from itertools import accumulate
+from typing import Any, Sequence
+
+from transfer_factory.file import _records
+from transfer_factory.file.checksums import buffers_checksum, checksums_at, chunked
+from transfer_factory.file.segments import (
+    DEAD, HEADER_SIZE, Entry, lock_shared, parse_header, unlock, unpack_header,
+)
+from transfer_factory.file.store_io import buffers_length
+from transfer_factory.keys import KINDS
+from transfer_factory.kvcache_storage import CODE_NAMES, INVALID, NO_SPACE, OK, UNAVAILABLE
+
+logger = logging.getLogger("transfer_factory.file.store")
+
+class WriteMixin:
+    # ------------------------------------------------------------------------------------ writes
+    def _set_batch(self, keys: Sequence[str], ptr_lists: Sequence, size_lists: Sequence, multi: bool) -> list[int]:
+        """Stores each object (with ``multi`` each has a list of buffers, else one pointer and one
+        size); a block's objects (one group) are stored all or none.
+
+        The CTM writes a block's K and V (and scales) in one batch and counts the block only when
+        every kind is present.  A group with a failed member is useless, so its other members
+        report the failure too and are not written (or are removed when already stored).  Left in
+        place such an orphan K would be refreshed by every retry of the block ("already stored")
+        and so never evicted, while its V kept failing (issue 8)."""
+        n = len(keys)
+        if not self._usable():
+            return [UNAVAILABLE] * n
+        self._maybe_refresh()
+        out = [OK] * n
+        digests: list[bytes | None] = _records.key_digests(keys)   # None: not a key
+        groups = _records.key_groups(keys, KINDS)   # object groups: stored all or none
+        failed: dict[str, int] = {}                   # group -> the code of its first failed member
+        plan: dict[bytes, int] = {}                   # digest -> its index in the batch, in write order
+        keep: set[bytes] = set()                      # digests this batch stored or relies on: never evicted
+        reserved = 0                                  # bytes added to _used for the plan
+        index, capacity = self._index, self.capacity_bytes
+        with self._lock:
+            if not multi:
+                keep, reserved = self._plan_simple(digests, ptr_lists, size_lists, plan)
+            for i, d in enumerate(digests if not plan else ()):
+                group = groups[i]
+                if group is not None and group in failed:
+                    out[i] = failed[group]
+                    continue
+                length = buffers_length(ptr_lists[i], size_lists[i], multi)
+                total = HEADER_SIZE + length
+                if (length > 0 and d is not None and d not in index and d not in plan
+                        and self._used + total <= capacity):
+                    self._used += total                   # the common case: a new key that fits
+                    plan[d] = i
+                    code = OK
+                else:
+                    code, total = self._plan_one(keys[i], d, length, plan, keep, i)
+                out[i] = code
+                reserved += total
+                if code == OK:
+                    keep.add(d)
+                elif group is not None:
+                    failed[group] = code
+            doomed: list[tuple[bytes, Entry]] = []
+            reserved -= self._unplan_failed(digests, groups, out, failed, plan, ptr_lists, size_lists, multi, doomed)
+        if plan:
+            err = self._commit(plan, keep, reserved, ptr_lists, size_lists, multi)
+            if err is not None:
+                code = NO_SPACE if getattr(err, "errno", None) in self.full_errnos else UNAVAILABLE
+                for i in plan.values():
+                    out[i] = code
+                    if groups[i] is not None:
+                        failed.setdefault(groups[i], code)
+                logger.warning("file store %s: cannot write %d objects (%d bytes): %s", self.directory, len(plan),
+                               sum(buffers_length(ptr_lists[i], size_lists[i], multi) for i in plan.values()), err)
+                with self._lock:
+                    self._unplan_failed(digests, groups, out, failed, {}, ptr_lists, size_lists, multi, doomed)
+        for d, e in doomed:
+            self._mark_dead(d, e)
+        self._note_blocks(digests, keys, [code == OK for code in out], groups)
+        return out
+
+    def _plan_simple(self, digests: list, ptrs: Sequence, sizes: Sequence, plan: dict) -> tuple[set[bytes], int]:
+        """The common batch planned in bulk: every object valid, one buffer each, no key twice,
+        none stored yet, all fitting without eviction.  Fills ``plan`` and returns the digests to
+        keep and the bytes reserved; leaves ``plan`` empty (and returns (set(), 0)) when the batch
+        is not that simple, and the caller plans object by object.  The caller holds the lock."""
+        n = len(digests)
+        if not n or None in digests:
+            return set(), 0
+        total = _records.payload_bytes(ptrs, sizes) + HEADER_SIZE * n
+        if total <= HEADER_SIZE * n or self._used + total > self.capacity_bytes:
+            return set(), 0
+        keep = set(digests)
+        if len(keep) != n or not self._index.keys().isdisjoint(keep):
+            return set(), 0
+        plan.update(zip(digests, range(n)))
+        self._used += total                           # reserved until the commit enters the records
+        return keep, total
+
+    def _plan_one(self, key: Any, d: bytes | None, length: int, plan: dict, keep: set[bytes],
+                  i: int) -> tuple[int, int]:
+        """(code, bytes reserved) for one object of a batch that is not simply a new key that
+        fits (``length`` -1 when its buffers are invalid); the caller holds the lock."""
+        if d is None or length <= 0:
+            return INVALID, 0
+        total = HEADER_SIZE + length
+        if total > self.capacity_bytes:
+            logger.warning("file store %s: object %r of %d bytes exceeds the capacity of %d bytes",
+                           self.directory, key, total, self.capacity_bytes)
+            return NO_SPACE, 0
+        if d in plan:                                 # the same key twice in one batch: written once
+            return OK, 0
+        e = self._index.get(d)
+        if e is not None and e.length == length and self._header_is(e, d) is True:
+            self._index.move_to_end(d)                # already stored: refreshed, nothing written
+            return OK, 0
+        if e is not None:
+            self._drop_entry_locked(d)                # another size, or no longer on disk: write anew
+        if self._evict_locked(total, keep) < 0:
+            logger.warning("file store %s: no room for %r (%d bytes): the capacity of %d bytes is held by "
+                           "objects of the same batch", self.directory, key, total, self.capacity_bytes)
+            return NO_SPACE, 0
+        self._used += total                           # reserved until the commit enters the record
+        plan[d] = i
+        return OK, total
+
+    def _unplan_failed(self, digests, groups, out, failed, plan, ptr_lists, size_lists, multi, doomed) -> int:
+        """Members of failed groups reported OK so far report the group's failure: dropped from the
+        plan (returns the bytes no longer reserved) or, when already stored, forgotten and added to
+        ``doomed`` to be marked dead once the lock is let go.  The caller holds the lock."""
+        if not failed:
+            return 0
+        released = 0
+        for i, group in enumerate(groups):
+            if group is None or out[i] != OK or group not in failed:
+                continue
+            out[i] = failed[group]
+            d = digests[i]
+            if d in plan:
+                del plan[d]
+                released += HEADER_SIZE + buffers_length(ptr_lists[i], size_lists[i], multi)
+                continue
+            e = self._drop_entry_locked(d)
+            if e is not None:
+                doomed.append((d, e))
+        self._used -= released
+        if released:
+            logger.warning("file store %s: %d blocks not stored (%s); their other objects are not stored either "
+                           "so no block is left incomplete", self.directory, len(failed),
+                           ", ".join(sorted({CODE_NAMES.get(c, str(c)) for c in failed.values()})))
+        return released
+
+    def _commit(self, plan: dict, keep: set[bytes], reserved: int, ptr_lists: Sequence, size_lists: Sequence,
+                multi: bool) -> OSError | None:
+        """Appends the planned records with one write and one sync (retrying once after a full
+        disk made room), then enters them in the index; the error when the write failed."""
+        digests = list(plan)
+        order = list(plan.values())
+        if multi:
+            counts = [len(ptr_lists[i]) for i in order]
+            ptrs = [p for i in order for p in ptr_lists[i]]
+            sizes = [s for i in order for s in size_lists[i]]
+            lengths = [sum(size_lists[i]) for i in order]
+            firsts = [0, *accumulate(counts)]         # record k's buffers are ptrs[firsts[k]:firsts[k + 1]]
+        elif len(order) == len(ptr_lists):                # the whole batch, in order (plan indexes ascend)
+            counts = firsts = None
+            ptrs, lengths = ptr_lists, size_lists
+            sizes = lengths
+        else:
+            counts = firsts = None
+            ptrs = [ptr_lists[i] for i in order]
+            lengths = sizes = [size_lists[i] for i in order]
+        total = sum(lengths) + HEADER_SIZE * len(lengths)
+        ranges = chunked(map(HEADER_SIZE.__add__, lengths))
+        made: list[tuple] = []
+
+        def chunks():
+            # Records chunk by chunk, each checksummed just before it is written (still in cache).
+            for a, b in ranges:
+                if firsts is None:
+                    p, s, c = ptrs[a:b], sizes[a:b], None
+                    crcs = checksums_at(p, s)
+                else:
+                    p, s, c = ptrs[firsts[a]:firsts[b]], sizes[firsts[a]:firsts[b]], counts[a:b]
+                    crcs = [buffers_checksum(self._views, ptr_lists[i], size_lists[i]) for i in order[a:b]]
+                chunk = (_records.pack_headers(digests[a:b], lengths[a:b], crcs), p, s, c, lengths[a:b], crcs)
+                made.append(chunk)
+                yield chunk
+
+        with self._wlock:
+            try:
+                gen = chunks()
+                try:
+                    seg, offsets = self._append(gen, total)
+                except OSError as exc:
+                    if exc.errno not in self.full_errnos or not self._make_room(reserved, keep, exc.errno):
+                        raise
+                    for _ in gen:                                  # the chunks the failed write did not reach
+                        pass
+                    seg, offsets = self._append(made, total)       # once: then fail cleanly
+            except OSError as exc:
+                with self._lock:
+                    self._used -= reserved
+                return exc
+            crcs = [c for chunk in made for c in chunk[5]]
+            headers = b"".join(chunk[0] for chunk in made)
+            with self._lock:
+                self._used -= reserved
+                self._add_entries_locked(seg, digests, offsets, lengths, crcs, headers)
+            self._reclaim()
+            self._bury()
+        return None
+
+    # ------------------------------------------------------------------------------------ deletes
+    def _mark_dead(self, d: bytes, e: Entry) -> bool | None:
+        """Writes the dead magic over ``e``'s record if it is still ``d``'s live record: True when
+        marked, False when it was not live any more, None when its segment has been reclaimed.
+        Takes _wlock: call it without holding _lock."""
+        seg = e.seg
+        with self._wlock:
+            with self._lock:
+                if seg.closed:
+                    return None
+                self._pin(seg)                            # its fd stays this file's until unpinned
+            try:
+                if not seg.active:                        # the active one is held shared already
+                    lock_shared(seg.fd)                   # waits out a compaction of it elsewhere
+                try:
+                    if os.fstat(seg.fd).st_nlink == 0:
+                        return None
+                    if unpack_header(os.pread(seg.fd, HEADER_SIZE, e.offset)) != e.fields(d):
+                        return False
+                    os.pwrite(seg.fd, DEAD, e.offset)
+                    return True
+                finally:
+                    if not seg.active:
+                        unlock(seg.fd)
+            except OSError as exc:
+                logger.warning("file store %s: cannot mark a record of %s dead: %s", self.directory, seg.name, exc)
+                return False
+            finally:
+                with self._lock:
+                    self._unpin(seg)
+
+    def _header_is(self, e: Entry, d: bytes) -> bool | None:
+        """True when ``e``'s record on disk is still ``d``'s live record, False when it is dead or
+        another record, None when its header is damaged or unreadable."""
+        try:
+            raw = os.pread(e.seg.fd, HEADER_SIZE, e.offset)
+        except OSError:
+            return None
+        if len(raw) == HEADER_SIZE and unpack_header(raw) == e.fields(d):
+            return True
+        return False if parse_header(raw) is not None else None
