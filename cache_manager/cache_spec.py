@@ -6,6 +6,7 @@ count) and on the storage namespace.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from transfer_factory.keys import Namespace
@@ -82,3 +83,21 @@ class CacheSpec:
         return Namespace(model_id=model_id or "model", model_version=model_version, tp_size=tp_size,
                          cache_dtype=self.cache_dtype, block_size=self.block_size,
                          num_layers=self.num_layers + self.num_extra_layers)
+
+
+def key_prefix_from_version(model_path: str) -> str:
+    """FastDeploy's storage key prefix: ``version: RL-STEP12-<time>-<uuid>`` in
+    ``<model_path>/version.yaml`` gives ``RL-STEP12``.  A missing file or key is an error naming it."""
+    path = os.path.join(model_path, "version.yaml")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read the model version from {path}: {exc}") from None
+    for line in lines:
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "version":
+            version = value.split("#", 1)[0].strip().strip("'\"")
+            if version:
+                return "-".join(version.split("-", 2)[:2])
+    raise ValueError(f"{path} has no 'version:' entry")

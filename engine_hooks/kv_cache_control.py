@@ -27,7 +27,7 @@ import numpy as np
 
 from cache_manager.cache_data import (CACHE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL, KV_CACHE_STATUS_SIGNAL,
                                       KVCacheStatus)
-from cache_manager.rank.lifecycle import key_prefix_from_version
+from cache_manager.cache_spec import key_prefix_from_version
 
 from .device_caches import DeviceCaches
 from .errors import CacheUpdateError

@@ -13,7 +13,7 @@ import pytest
 from engine_hooks import CachesClearedError, CacheUpdateError, RankDiedError
 from engine_hooks.prefix_cache import TieredPrefixCache
 from cache_manager.cache_data import CACHE_READY_SIGNAL, KV_CACHE_STATUS_SIGNAL, KVCacheStatus
-from cache_manager.rank.lifecycle import key_prefix_from_version
+from cache_manager.cache_spec import key_prefix_from_version
 from tests.service_helpers import SMALL, block_bytes, fill_distinct, segments_of, start_service, views
 from transfer_factory.keys import chain_hash_ids
 

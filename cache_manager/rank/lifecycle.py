@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cache_manager.cache_spec import key_prefix_from_version
 from cache_manager.cache_data import (CACHE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL, KV_CACHE_STATUS_SIGNAL,
                          SWAP_SPACE_READY_SIGNAL, KVCacheStatus, cache_name)
 
@@ -44,24 +45,6 @@ if TYPE_CHECKING:
 
 SWAP_CLEARING_ENV = "FD_ENABLE_SWAP_SPACE_CLEARING"
 DRAIN_TIMEOUT = 60.0  # seconds of draining after which a rank logs the tasks that still hold its blocks
-
-
-def key_prefix_from_version(model_path: str) -> str:
-    """FastDeploy's storage key prefix: ``version: RL-STEP12-<time>-<uuid>`` in
-    ``<model_path>/version.yaml`` gives ``RL-STEP12``.  A missing file or key is an error naming it."""
-    path = os.path.join(model_path, "version.yaml")
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except OSError as exc:
-        raise ValueError(f"cannot read the model version from {path}: {exc}") from None
-    for line in lines:
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "version":
-            version = value.split("#", 1)[0].strip().strip("'\"")
-            if version:
-                return "-".join(version.split("-", 2)[:2])
-    raise ValueError(f"{path} has no 'version:' entry")
 
 
 def _enabled(name: str) -> bool:
