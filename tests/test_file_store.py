@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transfer_factory import StorageAccess, StorageConfigError, create_storage_backend
-from transfer_factory.file import index as file_index
+from transfer_factory.file import log as file_log
 from transfer_factory.file.store import DEAD, HEADER_SIZE, FileStore
 from transfer_factory.kvcache_storage import (
     BUFFER_TOO_SMALL, CORRUPT, INVALID, NO_SPACE, NOT_FOUND, OK, UNAVAILABLE,
@@ -287,7 +287,7 @@ def test_full_disk_write_leaves_nothing(store, monkeypatch):
         os.pwrite(fd, bytes(headers[:10]), offset)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(file_index, "write_records", ten_bytes_then_enospc)
+    monkeypatch.setattr(file_log, "write_records", ten_bytes_then_enospc)
     assert put(store, k, a) == NO_SPACE
     monkeypatch.undo()
     assert get(store, k, a.nbytes)[0] == NOT_FOUND
@@ -306,7 +306,7 @@ def test_a_failed_write_is_cut_off_its_segment(store, monkeypatch):
         os.pwrite(fd, run_image(headers, ptrs, sizes, counts)[:HEADER_SIZE + 777], offset)
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(file_index, "write_records", some_then_eio)
+    monkeypatch.setattr(file_log, "write_records", some_then_eio)
     assert put(store, key(2), b) == UNAVAILABLE
     monkeypatch.undo()
     [seg] = segment_files(store.directory)
@@ -328,13 +328,13 @@ def test_a_write_that_accepts_no_bytes_fails_instead_of_spinning(store, tmp_path
             _file_records.write_records(full.fileno(), 0, headers, [data.ctypes.data], [4], None)
     a = rand_bytes(100000, 6)
     k = key(6)
-    real = file_index.write_records
+    real = file_log.write_records
     start = time.monotonic()
-    file_index.write_records = lambda *args: (_ for _ in ()).throw(OSError(28, "write accepted no bytes"))
+    file_log.write_records = lambda *args: (_ for _ in ()).throw(OSError(28, "write accepted no bytes"))
     try:
         assert put(store, k, a) == NO_SPACE
     finally:
-        file_index.write_records = real
+        file_log.write_records = real
     assert time.monotonic() - start < 5
     assert get(store, k, a.nbytes)[0] == NOT_FOUND
     assert segment_files(store.directory) == []
@@ -352,11 +352,11 @@ s.batch_set([sys.argv[5]], [first.ctypes.data], [first.nbytes])
 a = np.arange(200000, dtype=np.uint8)
 if mode == "half":          # the process dies in the middle of writing the payload
     import ctypes
-    from transfer_factory.file import index as file_index
+    from transfer_factory.file import log as file_log
     def die(fd, offset, headers, ptrs, sizes, counts=None):
         os.pwrite(fd, bytes(headers[:56]) + ctypes.string_at(ptrs[0], 5000), offset)
         os._exit(17)
-    file_index.write_records = die
+    file_log.write_records = die
 else:                       # the process dies after writing everything, before the sync
     os.fdatasync = lambda fd: os._exit(17)
 s.batch_set([sys.argv[4]], [a.ctypes.data], [a.nbytes])

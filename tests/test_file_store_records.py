@@ -404,12 +404,12 @@ def test_a_bulk_read_notes_blocks_it_did_not_know(tmp_path):
     with open_store(tmp_path) as store:
         assert store.batch_set(keys, [a.ctypes.data] * len(keys), [4096] * len(keys)) == [OK] * len(keys)
     with open_store(tmp_path) as store:
-        assert store._siblings == {}
+        assert store.index.known_blocks() == {}
         out = np.zeros(4096 * len(keys), dtype=np.uint8)
         ptrs = [out.ctypes.data + 4096 * i for i in range(len(keys))]
         assert store.batch_get(keys, ptrs, [4096] * len(keys)) == [4096] * len(keys)
         digests = fr.key_digests(keys)
-        assert store._siblings == {d: (digests[i & ~1], digests[i | 1]) for i, d in enumerate(digests)}
-        before = dict(store._siblings)
+        assert store.index.known_blocks() == {d: (digests[i & ~1], digests[i | 1]) for i, d in enumerate(digests)}
+        before = dict(store.index.known_blocks())
         assert store.batch_get(keys, ptrs, [4096] * len(keys)) == [4096] * len(keys)
-        assert store._siblings == before
+        assert store.index.known_blocks() == before

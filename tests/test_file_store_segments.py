@@ -75,8 +75,8 @@ def hold():
 
 if stop == "mid_write":             # a real partial write: half the batch's bytes reach the file
     import ctypes
-    from transfer_factory.file import index as file_index
-    real = file_index.write_records
+    from transfer_factory.file import log as file_log
+    real = file_log.write_records
     def write_records(fd, offset, headers, ptrs, sizes, counts=None):
         if armed[0]:
             image = []
@@ -86,7 +86,7 @@ if stop == "mid_write":             # a real partial write: half the batch's byt
             os.pwrite(fd, image[:len(image) // 2 + 1], offset)
             hold()
         return real(fd, offset, headers, ptrs, sizes, counts)
-    file_index.write_records = write_records
+    file_log.write_records = write_records
 elif stop == "before_sync":         # every byte written, the sync (the commit) not done
     real_sync = os.fdatasync
     def fdatasync(fd):
@@ -95,7 +95,7 @@ elif stop == "before_sync":         # every byte written, the sync (the commit) 
         return real_sync(fd)
     os.fdatasync = fdatasync
 elif stop == "compaction":          # the copies are durable, the old segment not removed yet
-    real_compact, real_unlink = store._compact, os.unlink
+    real_compact, real_unlink = store.space_policy.compact, os.unlink
     def compact(seg):
         armed[0] = real_compact(seg)
         return armed[0]
@@ -103,7 +103,7 @@ elif stop == "compaction":          # the copies are durable, the old segment no
         if armed[0] and str(path).endswith(".seg"):
             hold()
         return real_unlink(path, *a, **kw)
-    store._compact, os.unlink = compact, unlink
+    store.space_policy.compact, os.unlink = compact, unlink
 
 print("ready", flush=True)
 i = first

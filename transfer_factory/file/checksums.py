@@ -1,6 +1,6 @@
 """Payload checksums of many objects for the FileStore, and the chunks a big batch is cut into.
 
-The checksum is XXH3 (``file_segments.payload_checksum``), tens of GB/s on one core.  With CRC32
+The checksum is XXH3 (``segments.payload_checksum``), tens of GB/s on one core.  With CRC32
 (format 1) a helper thread checksummed the next chunk while this one was read or written, since
 zlib lets go of the GIL; XXH3 is faster than that hand-off, so every checksum is computed on the
 calling thread.  ``checksums_at`` checksums many single-buffer objects in one call: a C loop over

@@ -1,337 +1,281 @@
-"""The FileStore's segment table and index upkeep (file_store.py has the design).
+"""The FileStore's index: key digest -> where its live record is, in LRU order, with the byte
+accounting against the capacity, the blocks known for eviction, and the evicted records whose
+dead mark is still to be written (store.py has the design).
 
-Opening a rank directory (scan every segment into the index, oldest first, and remove leftovers),
-picking up the records other processes append (an incremental scan of the bytes a segment grew by),
-appending a batch to this instance's active segment with one write and one sync, sealing, and
-closing segment files only once no read is using them.
+``Index`` owns all of that and its lock (``Index.lock``); store.py has the lock order.  It knows
+segments only as the ``Segment`` objects its entries point at: which digests live in each
+(``members``) and how many bytes of each are live, for the space policy's choices.  It does no I/O.
 """
 from __future__ import annotations
 
-import logging
-import os
-import shutil
+import functools
+import hashlib
 import struct
-import time
-from itertools import accumulate
-from typing import Sequence
+import threading
+from collections import OrderedDict, deque
+from typing import Any, Iterator, Sequence
 
-from transfer_factory.file.segments import (
-    HEADER_SIZE, NEW_RE, SEG_RE, Entry, Segment, new_segment, open_segment, scan, segment_size, try_lock_exclusive,
-    unlock,
-)
-from transfer_factory.file._records import new_entries
-from transfer_factory.file.store_io import FILE_MODE, FULL_ERRNOS, fs_space, fsync_dir, tighten, write_records
-
-logger = logging.getLogger("transfer_factory.file.store")
+from transfer_factory.file._records import key_groups, new_entries, note_blocks, select_all
+from transfer_factory.file.segments import HEADER_SIZE, Entry, Segment
+from transfer_factory.keys import KINDS
 
 _HCRC = struct.Struct("<52xI")          # the header CRC of each 56-byte header in a run
-REFRESH_S = 1.0                      # other processes' records are picked up at least this often
-_OLD_FANOUT_LEN = 2                  # the one-file-per-object format's {h[0:2]}/ directories
 
 
-class IndexMixin:
-    full_errnos = FULL_ERRNOS
+@functools.lru_cache(maxsize=1 << 16)
+def key_digest(key: str) -> bytes:
+    """The SHA-256 of a key's UTF-8 (lone surrogates passed through): the index's key and the
+    record header's ``key_sha256`` (``_records.key_digests`` is the batch form)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
-    # ------------------------------------------------------------------------------------ open, reset
-    def _open(self) -> None:
-        """Scans the rank directory into the index (oldest segment first), removes leftovers and
-        trims to the capacity.  Called from __init__, or with both locks held."""
-        space = fs_space(self._dir)
-        self.segment_bytes = segment_size(self.capacity_bytes, space.total if space else 0)
-        old = self._remove_old_layout()
-        stale = self._remove_files(new_only=True)
-        tightened, skipped = self._refresh(opening=True)
-        with self._wlock:
-            empty = 0
-            for seg in list(self._segments.values()):
-                # Nothing live, and no one appends to it: a crash leftover, or every record dead.
-                if not seg.members and not seg.active and try_lock_exclusive(seg.fd):
-                    self._drop_segment(seg)
-                    empty += 1
-            with self._lock:
-                victims = max(self._evict_locked(0), 0)
-            self._reclaim()
-            self._bury()
-        if old or stale or empty or victims or tightened or skipped:
-            logger.info("file store %s: removed %d directories of the one-file-per-object format, %d segments "
-                        "a dead process was creating and %d segments with nothing live; stepped over %d bytes of "
-                        "torn or damaged records; evicted %d objects over capacity; made %d files private",
-                        self.directory, old, stale, empty, skipped, victims, tightened)
 
-    def _remove_old_layout(self) -> int:
-        removed = 0
-        try:
-            with os.scandir(self._dir) as it:
-                olds = [e.path for e in it if len(e.name) == _OLD_FANOUT_LEN and e.is_dir(follow_symlinks=False)
-                        and all(c in "0123456789abcdef" for c in e.name)]
-        except OSError:
-            return 0
-        for path in olds:
-            shutil.rmtree(path, ignore_errors=True)
-            removed += 1
-        return removed
+class Index:
+    """Live records by key digest, least recently used first, and the bytes they take."""
 
-    def _remove_files(self, new_only: bool = False) -> int:
-        """Unlinks the directory's segment files (with ``new_only``, only segments a dead process
-        was creating: those no one holds locked)."""
-        removed = 0
-        try:
-            with os.scandir(self._dir) as it:
-                names = [e.name for e in it]
-        except OSError:
-            return 0
-        for name in names:
-            path = os.path.join(self._dir, name)
-            if NEW_RE.match(name):
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except OSError:
-                    continue
-                try:
-                    if not try_lock_exclusive(fd):
-                        continue                           # its creator is alive and about to rename it
-                finally:
-                    os.close(fd)
-            elif new_only or not SEG_RE.match(name):
-                continue
-            try:
-                os.unlink(path)
-                removed += 1
-            except FileNotFoundError:
-                pass
-        if not new_only:
-            removed += self._remove_old_layout()
-        return removed
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.lock = threading.RLock()     # everything below
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self._used = 0                    # header + payload of every entry, plus reservations
+        # digest -> the digests of its block's objects, for blocks this instance stored or read whole:
+        # eviction removes a block at once rather than leave half of it taking space.
+        self._siblings: dict[bytes, tuple[bytes, ...]] = {}
+        self._doomed: list[tuple[bytes, Entry]] = []   # evicted records whose dead mark is still to write
+        self._members: dict[Segment, set[bytes]] = {}  # segment -> digests whose entry points there
+        self._live: dict[Segment, int] = {}            # segment -> bytes of those records
 
-    def _reset(self) -> None:
-        """Forgets every segment and object (closing files once reads are done); both locks held."""
-        for seg in list(self._segments.values()):
-            self._close_segment(seg)
-        self._segments.clear()
-        self._doomed.clear()
-        self._index.clear()
-        self._siblings.clear()
-        self._active = None
-        self._used = self._disk = 0
+    # ------------------------------------------------------------------------------------ reading
+    @property
+    def used_bytes(self) -> int:
+        return self._used
 
-    # ------------------------------------------------------------------------------------ refresh
-    def _maybe_refresh(self) -> None:
-        if time.monotonic() - self._last_refresh >= REFRESH_S:
-            self._refresh()
+    def __len__(self) -> int:
+        return len(self._entries)
 
-    def _refresh(self, opening: bool = False) -> tuple[int, int]:
-        """Brings the segment table up to date with the directory: segments others removed are
-        forgotten, new ones opened, and the records other processes appended since the last look
-        entered in the index.  Returns (files made private, bytes of invalid records stepped over)."""
-        tightened = skipped = 0
-        with self._lock:
-            try:
-                with os.scandir(self._dir) as it:
-                    names = sorted(e.name for e in it if SEG_RE.match(e.name))
-            except OSError:
-                return 0, 0
-            self._last_refresh = time.monotonic()
-            present = set(names)
-            for name, seg in list(self._segments.items()):
-                if name not in present:
-                    self._forget_segment_locked(seg)         # reclaimed (or cleared) by another process
-            for name in names:
-                seg = self._segments.get(name)
-                if seg is None:
-                    try:
-                        seg = open_segment(self._dir, name)
-                    except OSError:
-                        continue                             # removed meanwhile
-                    self._segments[name] = seg
-                    if opening:
-                        try:
-                            tightened += tighten(seg.path, os.fstat(seg.fd), FILE_MODE)
-                        except OSError:
-                            pass
-                if seg.own:
-                    continue
-                try:
-                    size = os.fstat(seg.fd).st_size
-                except OSError:
-                    continue
-                if size < seg.scanned:                       # its writer truncated a failed batch
-                    for d in [d for d in seg.members if self._index[d].offset + HEADER_SIZE > size]:
-                        self._drop_entry_locked(d)
-                    seg.scanned = size
-                if size > seg.scanned:
-                    found, seg.scanned, bad = scan(seg.fd, seg.scanned, size)
-                    skipped += bad
-                    if bad:
-                        logger.warning("file store %s: segment %s has %d bytes of torn or damaged records; "
-                                       "stepped over them", self.directory, name, bad)
-                    for f in found:
-                        if f.header.live:
-                            h = f.header
-                            self._add_entry_locked(h.digest, Entry(seg, f.offset, h.payload_len, h.crc, h.header_crc))
-                self._disk += size - seg.size
-                seg.size = size
-        return tightened, skipped
+    def __contains__(self, d: object) -> bool:
+        return d in self._entries
 
-    # ------------------------------------------------------------------------------------ entries
-    def _add_entry_locked(self, d: bytes, e: Entry) -> None:
+    def get(self, d: bytes | None) -> Entry | None:
+        return self._entries.get(d)
+
+    def contains_all(self, digests: Sequence[bytes | None]) -> bool:
+        """Whether every digest that is not None is indexed."""
+        return all(map(self._entries.__contains__, filter(None, digests)))
+
+    def none_of(self, digests: Sequence[bytes]) -> bool:
+        return self._entries.keys().isdisjoint(digests)
+
+    def members(self, seg: Segment) -> frozenset[bytes]:
+        return frozenset(self._members.get(seg, ()))
+
+    def has_members(self, seg: Segment) -> bool:
+        return bool(self._members.get(seg))
+
+    def holds_any(self, seg: Segment, digests: set[bytes]) -> bool:
+        return not digests.isdisjoint(self._members.get(seg, ()))
+
+    def live_bytes(self, seg: Segment) -> int:
+        return self._live.get(seg, 0)
+
+    def last_use(self) -> dict[Segment, int]:
+        """Per segment, the LRU position of its most recently used object (higher: more recent)."""
+        out: dict[Segment, int] = {}
+        for pos, e in enumerate(self._entries.values()):
+            out[e.seg] = pos
+        return out
+
+    def known_blocks(self) -> dict[bytes, tuple[bytes, ...]]:
+        """A copy of the blocks known (digest -> its block's digests)."""
+        with self.lock:
+            return dict(self._siblings)
+
+    def blocks_known(self, digests: Sequence[bytes | None]) -> bool:
+        return all(map(self._siblings.__contains__, filter(None, digests)))
+
+    def select_all(self, digests: list, ptrs: Sequence, sizes: Sequence) -> tuple | None:
+        """``_records.select_all`` over this index: (segments, offsets, lengths, checksums, every
+        block known) when every object is stored and has one buffer big enough, else None."""
+        return select_all(self._entries, digests, ptrs, sizes, self._siblings)
+
+    # ------------------------------------------------------------------------------------ changing
+    def reserve(self, total: int) -> bool:
+        """Counts ``total`` bytes of a record about to be written, if they fit under the capacity."""
+        if self._used + total > self.capacity_bytes:
+            return False
+        self._used += total
+        return True
+
+    def force_reserve(self, total: int) -> None:
+        """Counts bytes the caller already made room for (``evict``)."""
+        self._used += total
+
+    def release(self, total: int) -> None:
+        """Gives back bytes reserved for records that were not written or are now entered."""
+        self._used -= total
+
+    def add(self, d: bytes, e: Entry) -> None:
         """Enters a record as ``d``'s, the most recently used; a copy it had before is forgotten."""
-        old = self._index.pop(d, None)
+        old = self._entries.pop(d, None)
         if old is not None:
-            old.seg.members.discard(d)
-            old.seg.live -= old.size
-            self._used -= old.size
-        self._index[d] = e
-        e.seg.members.add(d)
-        e.seg.live += e.size
-        self._used += e.size
+            self._unlink(d, old)
+        self._entries[d] = e
+        self._link(d, e)
 
-    def _add_entries_locked(self, seg: Segment, digests: list[bytes], offsets: list[int], lengths: Sequence[int],
-                            crcs: list[int], headers: bytes) -> None:
-        """``_add_entry_locked`` for the records of one append to ``seg`` (``headers``: theirs, back
-        to back, for the header CRCs), in one pass."""
-        index = self._index
-        if index.keys().isdisjoint(digests):             # the common case: all new, entered in one C call
-            new_entries(index, seg, digests, offsets, lengths, crcs, headers)
-            seg.members.update(digests)
-        else:
+    def add_run(self, seg: Segment, digests: list[bytes], offsets: list[int], lengths: Sequence[int],
+                crcs: list[int], headers: bytes) -> None:
+        """``add`` for the records of one append to ``seg`` (``headers``: theirs, back to back, for
+        the header CRCs), in one pass when none of them is indexed yet (the common case)."""
+        if not self._entries.keys().isdisjoint(digests):
             hcrcs = [h for (h,) in _HCRC.iter_unpack(headers)]
             for d, off, n, crc, hcrc in zip(digests, offsets, lengths, crcs, hcrcs):
-                self._add_entry_locked(d, Entry(seg, off, n, crc, hcrc))
+                self.add(d, Entry(seg, off, n, crc, hcrc))
             return
+        new_entries(self._entries, seg, digests, offsets, lengths, crcs, headers)
+        self._members.setdefault(seg, set()).update(digests)
         added = HEADER_SIZE * len(lengths) + sum(lengths)
-        seg.live += added
+        self._live[seg] = self._live.get(seg, 0) + added
         self._used += added
 
-    def _drop_entry_locked(self, d: bytes) -> Entry | None:
-        e = self._index.pop(d, None)
+    def touch(self, d: bytes) -> None:
+        """``d`` becomes the most recently used."""
+        self._entries.move_to_end(d)
+
+    def touch_all(self, digests: list[bytes]) -> None:
+        """``touch`` for each digest still indexed."""
+        entries = self._entries
+        try:
+            deque(map(entries.move_to_end, digests), 0)
+        except KeyError:                                  # another thread dropped one meanwhile
+            for d in digests:
+                if d in entries:
+                    entries.move_to_end(d)
+
+    def drop(self, d: bytes) -> Entry | None:
+        """Forgets ``d`` (and its block); its entry, or None when it had none."""
+        e = self._entries.pop(d, None)
         if e is not None:
-            e.seg.members.discard(d)
-            e.seg.live -= e.size
-            self._used -= e.size
+            self._unlink(d, e)
         self._siblings.pop(d, None)
         return e
 
-    def _forget_segment_locked(self, seg: Segment) -> None:
-        for d in list(seg.members):
-            self._drop_entry_locked(d)
-        if self._segments.get(seg.name) is seg:
-            del self._segments[seg.name]
-            self._disk -= seg.size
-        if self._active is seg:
-            self._active = None
-        seg.active = False
-        self._close_segment(seg)
+    def drop_if(self, d: bytes, e: Entry) -> bool:
+        """Forgets ``d`` only if ``e`` is still its entry."""
+        if self._entries.get(d) is e:
+            self.drop(d)
+            return True
+        return False
 
-    def _close_segment(self, seg: Segment) -> None:
-        seg.closed = True
-        if seg.pins == 0 and seg.fd >= 0:
-            fd, seg.fd = seg.fd, -1
-            try:
-                os.close(fd)                                 # also lets go of its flock
-            except OSError:
-                pass
+    def drop_if_at(self, d: bytes, seg: Segment, offset: int) -> None:
+        """Forgets ``d`` only if its entry still points at ``offset`` of ``seg``."""
+        e = self._entries.get(d)
+        if e is not None and e.seg is seg and e.offset == offset:
+            self.drop(d)
 
-    def _pin(self, seg: Segment) -> None:
-        seg.pins += 1
+    def drop_segment(self, seg: Segment, with_blocks: bool = False) -> int:
+        """Forgets every record in ``seg``; with ``with_blocks`` also the other objects of their
+        blocks (to be marked dead).  Returns the objects forgotten."""
+        dropped = 0
+        for d in list(self._members.get(seg, ())):
+            for s in (self._siblings.get(d, ()) if with_blocks else ()):
+                other = self._entries.get(s)
+                if s != d and other is not None and other.seg is not seg:
+                    self._doomed.append((s, self.drop(s)))
+                    dropped += 1
+            if self.drop(d) is not None:
+                dropped += 1
+        self._members.pop(seg, None)
+        self._live.pop(seg, None)
+        return dropped
 
-    def _unpin(self, seg: Segment) -> None:
-        seg.pins -= 1
-        if seg.closed and seg.pins == 0:
-            self._close_segment(seg)
+    def drop_past(self, seg: Segment, size: int) -> None:
+        """Forgets the records of ``seg`` whose header does not lie within its first ``size`` bytes."""
+        for d in [d for d in self._members.get(seg, ()) if self._entries[d].offset + HEADER_SIZE > size]:
+            self.drop(d)
 
-    # ------------------------------------------------------------------------------------ appends
-    def _writable(self, total: int) -> Segment:
-        """The active segment, sealed and replaced by a new one when ``total`` more bytes would
-        take it past the segment size, or when someone removed it; _wlock held."""
-        seg = self._active
-        if seg is not None and not seg.closed:
-            try:
-                gone = os.fstat(seg.fd).st_nlink == 0
-            except OSError:
-                gone = True
-            if gone:                                         # cleared by another process
-                with self._lock:
-                    self._forget_segment_locked(seg)
-                seg = None
-            elif seg.size and seg.size + total > self.segment_bytes:
-                self._seal(seg)
-                seg = None
-        else:
-            seg = None
-        if seg is None:
-            with self._lock:                                 # a refresh must not take it for another's
-                seg = new_segment(self._dir)
-                self._segments[seg.name] = seg
-                self._active = seg
-        return seg
+    def relocate(self, d: bytes, e: Entry, seg: Segment, dest: Segment, offset: int) -> bool:
+        """Points ``d`` at its copy at ``offset`` of ``dest`` (a compaction), keeping its LRU place, if
+        ``e`` in ``seg`` is still its entry."""
+        if self._entries.get(d) is not e or e.seg is not seg:
+            return False
+        self._unlink(d, e)
+        moved = Entry(dest, offset, e.length, e.crc, e.hcrc)
+        self._entries[d] = moved                          # an existing key: its position stays
+        self._link(d, moved)
+        return True
 
-    def _seal(self, seg: Segment) -> None:
-        """No more appends to ``seg``: it becomes reclaimable by any process; _wlock held."""
-        if seg.active and not seg.closed:
-            try:
-                unlock(seg.fd)
-            except OSError:
-                pass
-        seg.active = False
-        if self._active is seg:
-            self._active = None
+    def evict(self, need: int, keep: set[bytes] | frozenset[bytes] = frozenset()) -> int:
+        """Evicts LRU objects until ``need`` more bytes fit under the capacity; the caller holds the
+        lock.  Objects in ``keep`` are never evicted: evicting a block's K to make room for its V
+        would leave the block incomplete.  When the capacity cannot be met without them nothing is
+        evicted and -1 is returned; otherwise the number of objects evicted (kept, with their
+        entries, to be marked dead: ``take_doomed``)."""
+        if self._used + need <= self.capacity_bytes:
+            return 0
+        victims, over = [], self._used + need - self.capacity_bytes
+        for unit in self._lru_units(keep):
+            if over <= 0:
+                break
+            victims += unit
+            over -= sum(self._entries[d].size for d in unit)
+        if over > 0:
+            return -1
+        for d in victims:
+            self._doomed.append((d, self.drop(d)))
+        return len(victims)
 
-    def _append(self, chunks, total: int) -> tuple[Segment, list[int]]:
-        """Appends records given as an iterable of chunks ``(headers, ptrs, sizes, counts, lengths,
-        crcs)`` (the records' headers back to back, their payload buffers, buffers per record or None
-        for one each, payload lengths; one ``write_records`` per chunk), with one sync at the end;
-        returns the segment and each record's offset.  On failure the segment is truncated back
-        (removed when it was new and empty) and the error raised.  _wlock held."""
-        seg = self._writable(total)
-        with self._lock:
-            self._pin(seg)                                   # a refresh may forget it, never close it under us
-        try:
-            return self._append_to(seg, chunks)
-        finally:
-            with self._lock:
-                self._unpin(seg)
+    def doom(self, d: bytes, e: Entry) -> None:
+        """Adds a forgotten record to those to be marked dead."""
+        self._doomed.append((d, e))
 
-    def _append_to(self, seg: Segment, chunks) -> tuple[Segment, list[int]]:
-        start = off = seg.size
-        offsets: list[int] = []
-        try:
-            for headers, ptrs, sizes, counts, lengths, _ in chunks:
-                write_records(seg.fd, off, headers, ptrs, sizes, counts)
-                if lengths:
-                    offsets += accumulate([HEADER_SIZE + n for n in lengths[:-1]], initial=off)
-                    off += HEADER_SIZE * len(lengths) + sum(lengths)
-            if self.fsync:
-                os.fdatasync(seg.fd)
-                if seg.fresh:
-                    fsync_dir(self._dir)                     # the new segment's name is durable too
-            seg.fresh = False
-        except OSError:
-            self._undo_append(seg, start)
-            raise
-        with self._lock:
-            seg.size = off
-            self._disk += off - start
-        return seg, offsets
+    def take_doomed(self) -> list[tuple[bytes, Entry]]:
+        """The records forgotten since the last call, whose dead mark is to be written."""
+        with self.lock:
+            doomed, self._doomed = self._doomed, []
+        return doomed
 
-    def _undo_append(self, seg: Segment, start: int) -> None:
-        try:
-            os.ftruncate(seg.fd, start)
-        except OSError as exc:
-            # The partial batch stays: scans step over it, but nothing is appended after it.
-            logger.warning("file store %s: cannot truncate %s after a failed write: %s", self.directory, seg.name, exc)
-            self._seal(seg)
-            try:
-                size = os.fstat(seg.fd).st_size
-                with self._lock:
-                    self._disk += size - seg.size
-                    seg.size = size
-            except OSError:
-                pass
-            return
-        if start == 0:                                       # nothing in it: do not leave an empty file
-            try:
-                os.unlink(seg.path)
-            except OSError:
-                pass
-            with self._lock:
-                self._forget_segment_locked(seg)
+    def note_blocks(self, digests: Sequence[bytes | None], keys: Sequence[Any], done: Sequence[bool],
+                    groups: Sequence[str | None] | None = None) -> None:
+        """Remembers which objects form one block, for blocks whose every object just succeeded."""
+        if self.blocks_known(digests):
+            return                                        # nothing new (the common read of stored blocks)
+        if groups is None:
+            groups = key_groups(keys, KINDS)
+        with self.lock:                                   # one pass in C: a dict op or two per object
+            note_blocks(groups, digests, done, self._entries, self._siblings)
+
+    def reset(self) -> None:
+        """Forgets everything."""
+        with self.lock:
+            self._entries.clear()
+            self._siblings.clear()
+            self._doomed.clear()
+            self._members.clear()
+            self._live.clear()
+            self._used = 0
+
+    # ------------------------------------------------------------------------------------ inside
+    def _link(self, d: bytes, e: Entry) -> None:
+        self._members.setdefault(e.seg, set()).add(d)
+        self._live[e.seg] = self._live.get(e.seg, 0) + e.size
+        self._used += e.size
+
+    def _unlink(self, d: bytes, e: Entry) -> None:
+        members = self._members.get(e.seg)
+        if members is not None:
+            members.discard(d)
+        if e.seg in self._live:
+            self._live[e.seg] -= e.size
+        self._used -= e.size
+
+    def _lru_units(self, keep: set[bytes] | frozenset[bytes]) -> Iterator[list[bytes]]:
+        """What eviction may take, least recently used first: a whole block when its objects are
+        known, else one object; never anything of a block the running batch (``keep``) touched."""
+        seen: set[bytes] = set()
+        for d in self._entries:
+            if d in seen:
+                continue
+            unit = [s for s in self._siblings.get(d, ()) if s in self._entries] or [d]
+            seen.update(unit)
+            if not keep.isdisjoint(unit):
+                continue
+            yield unit

@@ -1,7 +1,9 @@
 """The FileStore's segment files: the record format, scanning, and the locks between processes.
 
 A segment file holds many objects, one **record** each, appended back to back from offset 0 with
-no padding.  A record is a 56-byte header, then the payload (all integers little-endian)::
+no padding.  A record is a 56-byte header, then the payload (all integers little-endian; the
+offsets are defined once, in csrc/records.h, and this module checks its structs against them;
+tests/test_file_formats.py holds both sides to fixed bytes)::
 
     offset size field
     0      4    magic          b"CTKR" a live record; b"CTKD" a dead one (deleted, or found corrupt)
@@ -54,13 +56,32 @@ import xxhash
 from transfer_factory.file import _records
 from transfer_factory.file.store_io import O_CLOEXEC, create_private
 
-LIVE = b"CTKR"
-DEAD = b"CTKD"
-FORMAT_VERSION = 2  # 2: XXH3 payload checksums (1 had CRC32)
-_BODY = struct.Struct("<HHQI32s")              # version, flags, payload_len, payload_crc32, key_sha256
+# The layout is defined once, in csrc/records.h; these are the C module's constants, and the
+# structs below must lay the fields out exactly as its HEADER_LAYOUT says (checked on import).
+LIVE: bytes = _records.LIVE                    # b"CTKR"
+DEAD: bytes = _records.DEAD                    # b"CTKD"
+FORMAT_VERSION: int = _records.FORMAT_VERSION  # 2: XXH3 payload checksums (1 had CRC32)
+HEADER_SIZE: int = _records.HEADER_SIZE        # 56
+_FIELDS = ("magic", "version", "flags", "payload_len", "payload_sum", "key_sha256", "header_crc")
+_HEADER = struct.Struct("<4sHHQI32sI")         # the whole header, magic first, fields as in _FIELDS
+_BODY = struct.Struct("<HHQI32s")              # version .. key_sha256: what the header CRC covers
 _CRC = struct.Struct("<I")
-_HEADER = struct.Struct("<4sHHQI32sI")         # the whole header, magic first
-HEADER_SIZE = _HEADER.size                     # 56
+
+
+def _check_layout() -> None:
+    """Refuses to load when this module's structs disagree with the C definition of the header."""
+    layout, offset = [], 0
+    for code in ("4s", "H", "H", "Q", "I", "32s", "I"):
+        size = struct.calcsize("<" + code)
+        layout.append((offset, size))
+        offset += size
+    if (dict(zip(_FIELDS, layout)) != _records.HEADER_LAYOUT or _HEADER.size != HEADER_SIZE
+            or _BODY.size != _records.HEADER_LAYOUT["header_crc"][0] - _records.HEADER_LAYOUT["version"][0]):
+        raise ImportError(f"segments.py's record header {dict(zip(_FIELDS, layout))} disagrees with "
+                          f"csrc/records.h's {_records.HEADER_LAYOUT}: rebuild the extension")
+
+
+_check_layout()
 SEG_SUFFIX = ".seg"
 NEW_SUFFIX = ".new"                            # a segment being created: never read
 SEG_RE = re.compile(r"^[0-9a-f]{16}\.[0-9a-f]{8}\.seg$")
@@ -192,21 +213,66 @@ def unpack_header(raw, offset: int = 0) -> tuple:
     return _HEADER.unpack_from(raw, offset)
 
 
-class Segment:
-    """One segment file as a store instance knows it."""
-    __slots__ = ("name", "path", "fd", "size", "scanned", "members", "live", "own", "active", "fresh", "pins",
-                 "closed")
+def record_state(e: Entry, d: bytes) -> bool | None:
+    """True when ``e``'s record on disk is still ``d``'s live record, False when it is dead or
+    another record, None when its header is damaged or unreadable."""
+    try:
+        raw = os.pread(e.seg.fd, HEADER_SIZE, e.offset)
+    except OSError:
+        return None
+    if len(raw) == HEADER_SIZE and unpack_header(raw) == e.fields(d):
+        return True
+    return False if parse_header(raw) is not None else None
 
-    def __init__(self, name: str, path: str, fd: int, own: bool) -> None:
+
+class Segment:
+    """One segment file as a store instance knows it.  Only the segment log changes it (through
+    these methods, under its table lock); everyone else reads ``name``, ``path``, ``fd``, ``own``,
+    ``size``, ``active`` and ``closed``."""
+    __slots__ = ("name", "path", "fd", "size", "scanned", "own", "active", "fresh", "pins", "closed")
+
+    def __init__(self, name: str, path: str, fd: int, own: bool, created: bool = False) -> None:
         self.name, self.path, self.fd, self.own = name, path, fd, own
         self.size = 0                  # bytes of the file this instance accounts for
         self.scanned = 0               # records before this offset are known (others' segments)
-        self.members: set[bytes] = set()   # digests whose index entry points here
-        self.live = 0                  # bytes of those records
-        self.active = False            # this instance appends to it (and holds it shared)
-        self.fresh = False             # created by this instance, its name not yet made durable
+        self.active = created          # this instance appends to it (and holds it shared)
+        self.fresh = created           # created by this instance, its name not yet made durable
         self.pins = 0                  # reads in flight: the fd is closed only once they are done
         self.closed = False
+
+    def resize(self, size: int) -> int:
+        """Accounts for the file being ``size`` bytes now; returns the change."""
+        grown, self.size = size - self.size, size
+        return grown
+
+    def scanned_to(self, offset: int) -> None:
+        self.scanned = offset
+
+    def retire(self) -> None:
+        """No longer appended to by this instance."""
+        self.active = False
+
+    def made_durable(self) -> None:
+        """Its name has been synced into the directory."""
+        self.fresh = False
+
+    def pin(self) -> None:
+        self.pins += 1
+
+    def unpin(self) -> None:
+        self.pins -= 1
+        if self.closed and self.pins == 0:
+            self.close()
+
+    def close(self) -> None:
+        """Closed for good; the fd (and with it any flock) goes once no read has it pinned."""
+        self.closed = True
+        if self.pins == 0 and self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def new_segment(directory: str) -> Segment:
@@ -228,9 +294,7 @@ def new_segment(directory: str) -> Segment:
             except OSError:
                 pass
             raise
-        seg = Segment(name, path, fd, own=True)
-        seg.active = seg.fresh = True
-        return seg
+        return Segment(name, path, fd, own=True, created=True)
     raise FileExistsError(f"cannot find a free segment name in {directory}")
 
 

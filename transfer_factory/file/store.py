@@ -7,11 +7,13 @@ Objects live under ``{root}/{namespace}/rank{rank}/`` in append-only **segment f
 a 56-byte header (magic ``CTKR`` live or ``CTKD`` dead, version, flags, payload length, payload
 checksum (XXH3, low 32 bits), the key's SHA-256, and a CRC32 of the header itself), then the
 payload; the byte table,
-the scan and the locks are in file_segments.py.  Objects of a few KiB no longer cost a file each:
+the scan and the locks between processes are in segments.py.  Objects of a few KiB no longer cost a file each:
 a replay that made 122,000 files makes a few dozen segments, and removing a store is a
-``shutil.rmtree`` of those.  Modules: file_store_write.py (batches, commit, dead marks),
-file_store_read.py, file_index.py (open, scan, refresh, append), file_space.py (capacity,
-eviction, reclaiming, full disks), file_checksums.py, file_store_io.py (options, modes, I/O).
+``shutil.rmtree`` of those.  Components, each owning its state and its lock, composed here:
+``SegmentLog`` (log.py: the segment table, appends, dead marks, refresh, removal), ``Index``
+(index.py: key -> record, LRU, byte accounting, known blocks), ``SpacePolicy`` (space.py:
+eviction, reclaiming, full disks); the paths over them are ``Writer`` (store_write.py: batches,
+commit, deletes) and ``Reader`` (store_read.py); checksums.py, store_io.py (options, modes, I/O).
 
 Per-record work is batch-wide: the C helper ``_records`` (csrc/records*.c) hashes every
 key of a batch, packs and checks every header of a run, checksums payloads (XXH3 taken from the
@@ -27,7 +29,7 @@ then makes them durable with one ``fdatasync`` (option ``fsync``, default on; pl
 directory fsync when the segment is new), and only then reports OK and enters them in the index.
 A failed write (ENOSPC, EIO, a short write) truncates the segment back to where the batch began.
 Each process appends only to segments it created and holds shared (flock) while it does; a
-segment is sealed once past the segment size (``file_segments.segment_size``), and the next batch
+segment is sealed once past the segment size (``segments.segment_size``), and the next batch
 opens a new one.  A ``batch_set`` of a key already indexed with the same size, whose record on
 disk is still live, is a success that writes nothing: the key names the content (the same key is
 the same prefix's KV), so the first copy stays.
@@ -52,10 +54,10 @@ is neither magic: a miss; (3) a compaction copies records verbatim after checkin
 removes the old segment only once the copies are durable, so a crash between leaves two right
 copies; (4) OK is reported only after the fdatasync.  The index is rebuilt on open by scanning
 every segment's headers (a torn tail or a damaged record in the middle is stepped over,
-``file_segments.scan``); no separate index file can disagree with the segments.  The order of
+``segments.scan``); no separate index file can disagree with the segments.  The order of
 objects after a restart is their write order (reads are not recorded on disk).
 
-Capacity (file_space.py): an in-memory LRU index (key digest -> record) counts header + payload
+Capacity (index.py, space.py): an in-memory LRU index (key digest -> record) counts header + payload
 of every live object (``used_bytes``); a set that would exceed ``capacity_bytes`` first evicts the
 least recently used objects (a whole block when its objects are known), never one the running
 batch stored or relies on; an object alone larger than the capacity is ``NO_SPACE``.  The disk
@@ -91,38 +93,27 @@ optional K/M/G/T binary suffix), ``fsync`` (default True).  A bad or unknown opt
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import os
-import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from transfer_factory.file._records import key_groups, note_blocks
-from transfer_factory.file.index import IndexMixin
-from transfer_factory.file.segments import DEAD, HEADER_SIZE, LIVE, Entry, Segment
-from transfer_factory.file.space import SpaceMixin
+from transfer_factory.file.index import Index, key_digest
+from transfer_factory.file.log import SegmentLog
+from transfer_factory.file.segments import DEAD, HEADER_SIZE, LIVE, try_lock_exclusive
+from transfer_factory.file.space import SpacePolicy
 from transfer_factory.file.store_io import (
     DEFAULT_CAPACITY, DEFAULT_ROOT, DIR_MODE, ENV_CAPACITY, ENV_ROOT, OPTIONS, Views, makedirs_private,
     resolve_options, tighten, valid_ptr, valid_size,
 )
-from transfer_factory.file.store_read import ReadMixin
-from transfer_factory.file.store_write import WriteMixin
-from transfer_factory.keys import KINDS
-from transfer_factory.kvcache_storage import (
-    INVALID, NOT_FOUND, OK, UNAVAILABLE, KVCacheStorage, StorageAccess, StorageConfigError, check_batch,
-)
+from transfer_factory.file.store_read import Reader
+from transfer_factory.file.store_write import Writer
+from transfer_factory.kvcache_storage import UNAVAILABLE, KVCacheStorage, StorageAccess, StorageConfigError, check_batch
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_CAPACITY", "DEFAULT_ROOT", "ENV_CAPACITY", "ENV_ROOT", "FileStore", "HEADER_SIZE", "LIVE",
            "DEAD", "Location"]
-
-
-def _key_digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 class Location(NamedTuple):
@@ -132,7 +123,7 @@ class Location(NamedTuple):
     length: int
 
 
-class FileStore(WriteMixin, ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
+class FileStore(KVCacheStorage):
     """Objects as checksummed records in segment files under ``{root}/{namespace}/rank{rank}/``."""
 
     name = "file"
@@ -175,58 +166,83 @@ class FileStore(WriteMixin, ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
             except OSError:
                 pass
 
-        self._dir = str(self.directory)
-        st = os.stat(self._dir)
+        st = os.stat(self.directory)
         self._dir_id = (st.st_dev, st.st_ino)
-        self._lock = threading.RLock()        # the index and the segment table
-        self._wlock = threading.RLock()       # appends, and every flock taken or dropped: one at a time
-        self._index: OrderedDict[bytes, Entry] = OrderedDict()   # key digest -> live record, LRU first
-        self._used = 0
-        # digest -> the digests of its block's objects, for blocks this instance stored or read whole:
-        # eviction removes a block at once rather than leave half of it taking space.
-        self._siblings: dict[bytes, tuple[bytes, ...]] = {}
-        self._doomed: list[tuple[bytes, Entry]] = []   # evicted records whose dead mark is still to write
-        self._segments: dict[str, Segment] = {}
-        self._active: Segment | None = None
-        self._disk = 0                        # bytes of all segments this instance knows
-        self._last_refresh = 0.0
         self._closed = False
-        self._views = Views()
+        # The components and their locks.  Lock order (a lock may be taken while holding only
+        # those before it; each is reentrant):
+        #   1. SegmentLog.append_lock  appends, seals, dead marks, reclaiming, every flock change
+        #   2. Index.lock              the index, its byte accounting, known blocks, doomed records
+        #   3. SegmentLog table lock   the segment table, sizes, pins, closing (taken inside the
+        #                              log's own methods only, never held while calling out)
+        # So: never take append_lock while holding Index.lock (call mark_dead, seal, append and
+        # the space policy's reclaiming without it), and nothing is called under the table lock.
+        self.index = Index(self.capacity_bytes)
+        self.segment_log = SegmentLog(str(self.directory), self.index, self.fsync)
+        self.space_policy = SpacePolicy(self.index, self.segment_log)
+        views = Views()
+        self._reader = Reader(self.index, self.segment_log, views)
+        self._writer = Writer(self.index, self.segment_log, self.space_policy, views)
         self._open()
         logger.info("file store %s: %d objects in %d segments, %d of %d bytes used (%d on disk), segment size %d, "
-                    "fsync %s", self.directory, len(self._index), len(self._segments), self._used,
-                    self.capacity_bytes, self._disk, self.segment_bytes, self.fsync)
+                    "fsync %s", self.directory, len(self.index), len(self.segment_log), self.used_bytes,
+                    self.capacity_bytes, self.disk_bytes, self.segment_bytes, self.fsync)
 
-    # ----------------------------------------------------------------------------------- index
+    # ----------------------------------------------------------------------------------- state
     @property
     def used_bytes(self) -> int:
         """Bytes of live records (headers included) in the index."""
-        return self._used
+        return self.index.used_bytes
 
     @property
     def disk_bytes(self) -> int:
         """Bytes of the segment files this instance knows (live, dead and not yet scanned)."""
-        return self._disk
+        return self.segment_log.disk_bytes
+
+    @property
+    def segment_bytes(self) -> int:
+        """Bytes after which a segment is sealed."""
+        return self.segment_log.segment_bytes
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self.index)
 
     def object_location(self, key: str) -> Location | None:
         """Where ``key``'s record is (None when it is not in the index): for tests that damage it."""
-        with self._lock:
-            e = self._index.get(self._digest(key))
+        with self.index.lock:
+            e = self.index.get(key_digest(key))
             return None if e is None else Location(Path(e.seg.path), e.offset, e.size)
 
-    def _note_blocks(self, digests: Sequence[bytes | None], keys: Sequence[Any], done: Sequence[bool],
-                     groups: Sequence[str | None] | None = None) -> None:
-        """Remembers which objects form one block, for blocks whose every object just succeeded."""
-        siblings = self._siblings
-        if all(map(siblings.__contains__, filter(None, digests))):
-            return                                        # nothing new (the common read of stored blocks)
-        if groups is None:
-            groups = key_groups(keys, KINDS)
-        with self._lock:                                  # one pass in C: a dict op or two per object
-            note_blocks(groups, digests, done, self._index, siblings)
+    def _open(self) -> None:
+        """Scans the rank directory into the index (oldest segment first), removes leftovers and
+        trims to the capacity."""
+        log, index, space = self.segment_log, self.index, self.space_policy
+        log.size_segments(self.capacity_bytes)
+        old = log.remove_old_layout()
+        stale = log.remove_files(new_only=True)
+        tightened, skipped = log.refresh(opening=True)
+        with log.append_lock:
+            empty = 0
+            for seg in log.segments():
+                # Nothing live, and no one appends to it: a crash leftover, or every record dead.
+                if not index.has_members(seg) and not seg.active and try_lock_exclusive(seg.fd):
+                    space.drop_segment(seg)
+                    empty += 1
+            with index.lock:
+                victims = max(index.evict(0), 0)
+            space.reclaim(self.capacity_bytes)
+            space.bury()
+        if old or stale or empty or victims or tightened or skipped:
+            logger.info("file store %s: removed %d directories of the one-file-per-object format, %d segments "
+                        "a dead process was creating and %d segments with nothing live; stepped over %d bytes of "
+                        "torn or damaged records; evicted %d objects over capacity; made %d files private",
+                        self.directory, old, stale, empty, skipped, victims, tightened)
+
+    def _forget_all(self) -> None:
+        """Forgets every segment and object (closing files once reads are done); append_lock held."""
+        with self.index.lock:
+            self.index.reset()
+            self.segment_log.reset()
 
     def _usable(self) -> bool:
         """False (logged) when the store is closed or its directory is gone; a directory replaced by
@@ -234,15 +250,15 @@ class FileStore(WriteMixin, ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
         if self._closed:
             return False
         try:
-            st = os.stat(self._dir)
+            st = os.stat(self.directory)
         except OSError as exc:
             logger.warning("file store %s: directory unusable: %s", self.directory, exc.strerror or exc)
             return False
         if (st.st_dev, st.st_ino) != self._dir_id:
             logger.warning("file store %s: the directory was replaced; scanning the new one", self.directory)
-            with self._wlock, self._lock:
+            with self.segment_log.append_lock:
                 self._dir_id = (st.st_dev, st.st_ino)
-                self._reset()
+                self._forget_all()
                 self._open()
         return True
 
@@ -254,82 +270,56 @@ class FileStore(WriteMixin, ReadMixin, SpaceMixin, IndexMixin, KVCacheStorage):
         if not valid_size(size) or size == 0:
             raise ValueError(f"register_buffer: size {size!r} must be a positive integer")
 
+    def exists(self, keys: Sequence[str]) -> list[int]:
+        if not self._usable():
+            return [UNAVAILABLE] * len(keys)
+        return self._reader.exists(keys)
+
     def batch_get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         check_batch(keys, ptrs, sizes)
-        return self._get_batch(keys, ptrs, sizes, multi=False)
+        if not self._usable():
+            return [UNAVAILABLE] * len(keys)
+        return self._reader.get_batch(keys, ptrs, sizes, multi=False)
 
     def batch_get_multi(self, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
                         size_lists: Sequence[Sequence[int]]) -> list[int]:
         check_batch(keys, ptr_lists, size_lists)
-        return self._get_batch(keys, [list(p) for p in ptr_lists], [list(s) for s in size_lists], multi=True)
+        if not self._usable():
+            return [UNAVAILABLE] * len(keys)
+        return self._reader.get_batch(keys, [list(p) for p in ptr_lists], [list(s) for s in size_lists], multi=True)
 
     def batch_set(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         check_batch(keys, ptrs, sizes)
-        return self._set_batch(keys, ptrs, sizes, multi=False)
+        if not self._usable():
+            return [UNAVAILABLE] * len(keys)
+        return self._writer.set_batch(keys, ptrs, sizes, multi=False)
 
     def batch_set_multi(self, keys: Sequence[str], ptr_lists: Sequence[Sequence[int]],
                         size_lists: Sequence[Sequence[int]]) -> list[int]:
         check_batch(keys, ptr_lists, size_lists)
-        return self._set_batch(keys, [list(p) for p in ptr_lists], [list(s) for s in size_lists], multi=True)
+        if not self._usable():
+            return [UNAVAILABLE] * len(keys)
+        return self._writer.set_batch(keys, [list(p) for p in ptr_lists], [list(s) for s in size_lists], multi=True)
 
     def delete(self, keys: Sequence[str]) -> list[int]:
         """Per key: 0 removed (its record marked dead on disk), ``NOT_FOUND`` when there was none."""
         if not self._usable():
             return [UNAVAILABLE] * len(keys)
-        self._refresh()                                   # see the copies other processes stored
-        out = []
-        touched: set[Segment] = set()
-        for key in keys:
-            if not isinstance(key, str) or not key:
-                out.append(INVALID)
-                continue
-            d = self._digest(key)
-            code = NOT_FOUND
-            for _ in range(2):                            # a second look if another process moved it
-                with self._lock:
-                    e = self._index.get(d)
-                    if e is None:
-                        break
-                    self._drop_entry_locked(d)
-                marked = self._mark_dead(d, e)
-                if marked is None:                        # its segment was reclaimed: look again
-                    self._refresh()
-                    continue
-                if marked:
-                    code = OK
-                    with self._lock:
-                        if not e.seg.closed and e.seg not in touched:
-                            self._pin(e.seg)
-                            touched.add(e.seg)
-                break
-            out.append(code)
-        for seg in touched:
-            try:
-                if self.fsync:
-                    os.fdatasync(seg.fd)
-            except OSError as exc:
-                logger.warning("file store %s: cannot sync deletes in %s: %s", self.directory, seg.name, exc)
-            finally:
-                with self._lock:
-                    self._unpin(seg)
-        return out
+        return self._writer.delete(keys)
 
     def clear(self) -> None:
         """Removes every object of this namespace and rank: every segment file, whoever wrote it."""
         if self._closed:
             raise RuntimeError("file store is closed")
-        with self._wlock, self._lock:
-            self._reset()
-            removed = self._remove_files()
+        with self.segment_log.append_lock:
+            self._forget_all()
+            removed = self.segment_log.remove_files()
         logger.info("file store %s: cleared %d segment files", self.directory, removed)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        with self._wlock:
-            self._bury()
-            with self._lock:
-                self._reset()
-
-    _digest = staticmethod(functools.lru_cache(maxsize=1 << 16)(_key_digest))
+        with self.segment_log.append_lock:
+            self.space_policy.bury()
+            self._forget_all()

@@ -1,7 +1,7 @@
 """The FileStore's options, file modes and low-level I/O (no format, no index).
 
-Kept apart from the segment format (file_segments.py) and the store's logic (file_store.py,
-file_space.py) so each stays readable: this module knows options, modes, free space and how to
+Kept apart from the segment format (segments.py) and the store's logic (store.py,
+space.py) so each stays readable: this module knows options, modes, free space and how to
 move many buffers with few system calls; it knows nothing about records or keys.
 """
 from __future__ import annotations

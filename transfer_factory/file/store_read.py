@@ -1,4 +1,4 @@
-"""The FileStore's reads (file_store.py has the design): ``exists`` and ``batch_get[_multi]``.
+"""The FileStore's reads (store.py has the design): ``exists`` and ``batch_get[_multi]``.
 
 A batch is read with one vectored read per piece of a run of adjacent records of one segment
 (headers into a scratch buffer, payloads straight into the callers' buffers), then checked: every
@@ -11,14 +11,15 @@ from __future__ import annotations
 import logging
 import operator
 from bisect import bisect_left
-from collections import deque
 from itertools import accumulate, islice
 from typing import Iterator, NamedTuple, Sequence
 
-from transfer_factory.file._records import key_digests, pack_headers, parse_headers, read_and_sum, select_all
+from transfer_factory.file._records import key_digests, pack_headers, parse_headers, read_and_sum
 from transfer_factory.file.checksums import XXH3_DIRECT, buffers_checksum, checksums_at
-from transfer_factory.file.segments import HEADER_SIZE, Entry, Segment, header_crc_of
-from transfer_factory.file.store_io import buffers_length, read_records
+from transfer_factory.file.index import Index, key_digest
+from transfer_factory.file.log import SegmentLog
+from transfer_factory.file.segments import HEADER_SIZE, Entry, Segment, header_crc_of, record_state
+from transfer_factory.file.store_io import Views, buffers_length, read_records
 from transfer_factory.kvcache_storage import BUFFER_TOO_SMALL, CORRUPT, INVALID, NOT_FOUND, UNAVAILABLE
 
 logger = logging.getLogger("transfer_factory.file.store")
@@ -32,65 +33,66 @@ def _file_order(seg: Segment, offset: int) -> int:
     return id(seg) << 64 | offset
 
 
-class ReadMixin:
+class Reader:
+    """``exists`` and ``batch_get[_multi]`` over one store's index and segment log."""
+
+    def __init__(self, index: Index, log: SegmentLog, views: Views) -> None:
+        self._index = index
+        self._log = log
+        self._views = views
+        self.directory = log.directory
+
     # ------------------------------------------------------------------------------------ exists
     def exists(self, keys: Sequence[str]) -> list[int]:
-        if not self._usable():
-            return [UNAVAILABLE] * len(keys)
-        self._maybe_refresh()
+        index, log = self._index, self._log
+        log.maybe_refresh()
         out = []
         refreshed = False
         for key in keys:
             if not isinstance(key, str) or not key:
                 out.append(INVALID)
                 continue
-            d = self._digest(key)
-            with self._lock:
-                e = self._index.get(d)
+            d = key_digest(key)
+            with index.lock:
+                e = index.get(d)
             if e is None and not refreshed:               # maybe another process stored it
-                self._refresh()
+                log.refresh()
                 refreshed = True
-                with self._lock:
-                    e = self._index.get(d)
+                with index.lock:
+                    e = index.get(d)
             if e is None:
                 out.append(0)
                 continue
-            with self._lock:
-                seg = e.seg
-                self._pin(seg)
+            log.pin(e.seg)
             try:
-                state = self._header_is(e, d)             # still live on disk (another process may delete)
+                state = record_state(e, d)                # still live on disk (another process may delete)
             finally:
-                with self._lock:
-                    self._unpin(seg)
+                log.unpin(e.seg)
             if state is not True:
-                with self._lock:
-                    if self._index.get(d) is e:
-                        self._drop_entry_locked(d)
+                with index.lock:
+                    index.drop_if(d, e)
             out.append(1 if state else 0)
         return out
 
     # ------------------------------------------------------------------------------------ batch_get
-    def _get_batch(self, keys: Sequence[str], ptr_lists: Sequence, size_lists: Sequence, multi: bool) -> list[int]:
+    def get_batch(self, keys: Sequence[str], ptr_lists: Sequence, size_lists: Sequence, multi: bool) -> list[int]:
         """Reads a batch; with ``multi`` each object has a list of buffers, else one."""
         n = len(keys)
-        if not self._usable():
-            return [UNAVAILABLE] * n
         out = [NOT_FOUND] * n
         digests = key_digests(keys)                       # None: not a key
-        index = self._index
-        self._maybe_refresh()
+        index, log = self._index, self._log
+        log.maybe_refresh()
         # The records to read, as parallel lists (no tuple per record): batch index, and a snapshot
         # of the entry taken under the lock (a compaction may move it meanwhile), their segments
         # pinned under that same lock.
-        with self._lock:
+        with index.lock:
             found = self._select_all(digests, ptr_lists, size_lists, multi)
-            missing = found is None and not all(map(index.__contains__, filter(None, digests)))
+            missing = found is None and not index.contains_all(digests)
             if not missing:
                 sel, segs, offs, lens, crcs, pinned = self._pinned(found, digests, ptr_lists, size_lists, multi, out)
         if missing:
-            self._refresh()                               # maybe another process stored them
-            with self._lock:
+            log.refresh()                                 # maybe another process stored them
+            with index.lock:
                 found = self._select_all(digests, ptr_lists, size_lists, multi)
                 sel, segs, offs, lens, crcs, pinned = self._pinned(found, digests, ptr_lists, size_lists, multi, out)
         try:
@@ -98,11 +100,10 @@ class ReadMixin:
                 self._read_records(sel, segs, offs, lens, crcs, digests, ptr_lists, size_lists, multi, out,
                                    whole=found is not None)
         finally:
-            with self._lock:
-                for seg in pinned:
-                    self._unpin(seg)
+            for seg in pinned:
+                log.unpin(seg)
         if not (found and found[5]):                      # else every block was known already
-            self._note_blocks(digests, keys, [code > 0 for code in out])
+            index.note_blocks(digests, keys, [code > 0 for code in out])
         return out
 
     def _pinned(self, found, digests, ptr_lists, size_lists, multi, out) -> tuple:
@@ -112,7 +113,7 @@ class ReadMixin:
         sel, segs, offs, lens, crcs = found[:5] if found else self._select(digests, ptr_lists, size_lists, multi, out)
         pinned = set(segs)
         for seg in pinned:
-            seg.pins += 1
+            self._log.pin(seg)
         return sel, segs, offs, lens, crcs, pinned
 
     def _select_all(self, digests, ptrs, sizes, multi) -> tuple | None:
@@ -121,7 +122,7 @@ class ReadMixin:
         block is known), or None when the batch is not that simple.  The caller holds the lock."""
         if multi:
             return None
-        found = select_all(self._index, digests, ptrs, sizes, self._siblings)   # one C pass over the entries
+        found = self._index.select_all(digests, ptrs, sizes)   # one C pass over the entries
         return None if found is None else (list(range(len(digests))), *found)
 
     def _select(self, digests, ptr_lists, size_lists, multi, out) -> tuple:
@@ -173,17 +174,10 @@ class ReadMixin:
         for piece in _pieces(segs, offs, lens):
             self._check_piece(piece, sel, ds, lens, crcs, ptrs, sizes, counts, firsts, out, hits, bad, whole)
         index = self._index
-        with self._lock:
-            try:
-                deque(map(index.move_to_end, hits), 0)    # most recently used
-            except KeyError:                              # another thread dropped one meanwhile
-                for d in hits:
-                    if d in index:
-                        index.move_to_end(d)
+        with index.lock:
+            index.touch_all(hits)                         # most recently used
             for m, _ in bad:
-                e = index.get(ds[m])
-                if e is not None and e.seg is segs[m] and e.offset == offs[m]:
-                    self._drop_entry_locked(ds[m])
+                index.drop_if_at(ds[m], segs[m], offs[m])
         for m, why in bad:
             if why == GONE:
                 continue                                  # deleted, replaced or cut off: a plain miss
@@ -193,7 +187,7 @@ class ReadMixin:
                            offs[m], "payload checksum mismatch" if mark else "damaged header",
                            "marked dead" if mark else "forgotten")
             if mark:                                      # its header is valid: no one may serve it again
-                self._mark_dead(ds[m], Entry(segs[m], offs[m], lens[m], crcs[m], header_crc_of(ds[m], lens[m],
+                self._log.mark_dead(ds[m], Entry(segs[m], offs[m], lens[m], crcs[m], header_crc_of(ds[m], lens[m],
                                                                                                 crcs[m])))
 
     def _check_piece(self, piece: "_Piece", sel, ds, lens, crcs, ptrs, sizes, counts, firsts, out, hits,

@@ -1,4 +1,4 @@
-"""The FileStore's writes and deletes (file_store.py has the design): planning a batch against
+"""The FileStore's writes and deletes (store.py has the design): planning a batch against
 the capacity and its object groups, the group commit (one write, one sync), and dead marks.
 
 The commit works batch-wide: the checksums, headers and the vectored write of a chunk of records
@@ -8,24 +8,34 @@ that at 16 KiB objects the Python cost per record stays below the cost of copyin
 from __future__ import annotations
 
 import logging
-import os
 from itertools import accumulate
 from typing import Any, Sequence
 
 from transfer_factory.file import _records
 from transfer_factory.file.checksums import buffers_checksum, checksums_at, chunked
-from transfer_factory.file.segments import (
-    DEAD, HEADER_SIZE, Entry, lock_shared, parse_header, unlock, unpack_header,
-)
-from transfer_factory.file.store_io import buffers_length
+from transfer_factory.file.index import Index, key_digest
+from transfer_factory.file.log import SegmentLog
+from transfer_factory.file.segments import HEADER_SIZE, Entry, Segment, record_state
+from transfer_factory.file.space import SpacePolicy
+from transfer_factory.file.store_io import FULL_ERRNOS, Views, buffers_length
 from transfer_factory.keys import KINDS
-from transfer_factory.kvcache_storage import CODE_NAMES, INVALID, NO_SPACE, OK, UNAVAILABLE
+from transfer_factory.kvcache_storage import CODE_NAMES, INVALID, NOT_FOUND, NO_SPACE, OK, UNAVAILABLE
 
 logger = logging.getLogger("transfer_factory.file.store")
 
-class WriteMixin:
+
+class Writer:
+    """``batch_set[_multi]`` and ``delete`` over one store's index, segment log and space policy."""
+
+    def __init__(self, index: Index, log: SegmentLog, space: SpacePolicy, views: Views) -> None:
+        self._index = index
+        self._log = log
+        self._space = space
+        self._views = views
+        self.directory = log.directory
+
     # ------------------------------------------------------------------------------------ writes
-    def _set_batch(self, keys: Sequence[str], ptr_lists: Sequence, size_lists: Sequence, multi: bool) -> list[int]:
+    def set_batch(self, keys: Sequence[str], ptr_lists: Sequence, size_lists: Sequence, multi: bool) -> list[int]:
         """Stores each object (with ``multi`` each has a list of buffers, else one pointer and one
         size); a block's objects (one group) are stored all or none.
 
@@ -35,18 +45,16 @@ class WriteMixin:
         place such an orphan K would be refreshed by every retry of the block ("already stored")
         and so never evicted, while its V kept failing (issue 8)."""
         n = len(keys)
-        if not self._usable():
-            return [UNAVAILABLE] * n
-        self._maybe_refresh()
+        self._log.maybe_refresh()
         out = [OK] * n
         digests: list[bytes | None] = _records.key_digests(keys)   # None: not a key
         groups = _records.key_groups(keys, KINDS)   # object groups: stored all or none
         failed: dict[str, int] = {}                   # group -> the code of its first failed member
         plan: dict[bytes, int] = {}                   # digest -> its index in the batch, in write order
         keep: set[bytes] = set()                      # digests this batch stored or relies on: never evicted
-        reserved = 0                                  # bytes added to _used for the plan
-        index, capacity = self._index, self.capacity_bytes
-        with self._lock:
+        reserved = 0                                  # bytes the index counts for the plan
+        index = self._index
+        with index.lock:
             if not multi:
                 keep, reserved = self._plan_simple(digests, ptr_lists, size_lists, plan)
             for i, d in enumerate(digests if not plan else ()):
@@ -57,9 +65,8 @@ class WriteMixin:
                 length = buffers_length(ptr_lists[i], size_lists[i], multi)
                 total = HEADER_SIZE + length
                 if (length > 0 and d is not None and d not in index and d not in plan
-                        and self._used + total <= capacity):
-                    self._used += total                   # the common case: a new key that fits
-                    plan[d] = i
+                        and index.reserve(total)):
+                    plan[d] = i                           # the common case: a new key that fits
                     code = OK
                 else:
                     code, total = self._plan_one(keys[i], d, length, plan, keep, i)
@@ -74,18 +81,18 @@ class WriteMixin:
         if plan:
             err = self._commit(plan, keep, reserved, ptr_lists, size_lists, multi)
             if err is not None:
-                code = NO_SPACE if getattr(err, "errno", None) in self.full_errnos else UNAVAILABLE
+                code = NO_SPACE if getattr(err, "errno", None) in FULL_ERRNOS else UNAVAILABLE
                 for i in plan.values():
                     out[i] = code
                     if groups[i] is not None:
                         failed.setdefault(groups[i], code)
                 logger.warning("file store %s: cannot write %d objects (%d bytes): %s", self.directory, len(plan),
                                sum(buffers_length(ptr_lists[i], size_lists[i], multi) for i in plan.values()), err)
-                with self._lock:
+                with index.lock:
                     self._unplan_failed(digests, groups, out, failed, {}, ptr_lists, size_lists, multi, doomed)
         for d, e in doomed:
-            self._mark_dead(d, e)
-        self._note_blocks(digests, keys, [code == OK for code in out], groups)
+            self._log.mark_dead(d, e)
+        index.note_blocks(digests, keys, [code == OK for code in out], groups)
         return out
 
     def _plan_simple(self, digests: list, ptrs: Sequence, sizes: Sequence, plan: dict) -> tuple[set[bytes], int]:
@@ -97,13 +104,12 @@ class WriteMixin:
         if not n or None in digests:
             return set(), 0
         total = _records.payload_bytes(ptrs, sizes) + HEADER_SIZE * n
-        if total <= HEADER_SIZE * n or self._used + total > self.capacity_bytes:
+        if total <= HEADER_SIZE * n:
             return set(), 0
         keep = set(digests)
-        if len(keep) != n or not self._index.keys().isdisjoint(keep):
-            return set(), 0
+        if len(keep) != n or not self._index.none_of(keep) or not self._index.reserve(total):
+            return set(), 0                           # reserved, when it fits, until the commit enters them
         plan.update(zip(digests, range(n)))
-        self._used += total                           # reserved until the commit enters the records
         return keep, total
 
     def _plan_one(self, key: Any, d: bytes | None, length: int, plan: dict, keep: set[bytes],
@@ -113,23 +119,24 @@ class WriteMixin:
         if d is None or length <= 0:
             return INVALID, 0
         total = HEADER_SIZE + length
-        if total > self.capacity_bytes:
+        index = self._index
+        if total > index.capacity_bytes:
             logger.warning("file store %s: object %r of %d bytes exceeds the capacity of %d bytes",
-                           self.directory, key, total, self.capacity_bytes)
+                           self.directory, key, total, index.capacity_bytes)
             return NO_SPACE, 0
         if d in plan:                                 # the same key twice in one batch: written once
             return OK, 0
-        e = self._index.get(d)
-        if e is not None and e.length == length and self._header_is(e, d) is True:
-            self._index.move_to_end(d)                # already stored: refreshed, nothing written
+        e = index.get(d)
+        if e is not None and e.length == length and record_state(e, d) is True:
+            index.touch(d)                            # already stored: refreshed, nothing written
             return OK, 0
         if e is not None:
-            self._drop_entry_locked(d)                # another size, or no longer on disk: write anew
-        if self._evict_locked(total, keep) < 0:
+            index.drop(d)                             # another size, or no longer on disk: write anew
+        if index.evict(total, keep) < 0:
             logger.warning("file store %s: no room for %r (%d bytes): the capacity of %d bytes is held by "
-                           "objects of the same batch", self.directory, key, total, self.capacity_bytes)
+                           "objects of the same batch", self.directory, key, total, index.capacity_bytes)
             return NO_SPACE, 0
-        self._used += total                           # reserved until the commit enters the record
+        index.force_reserve(total)                    # reserved until the commit enters the record
         plan[d] = i
         return OK, total
 
@@ -149,10 +156,10 @@ class WriteMixin:
                 del plan[d]
                 released += HEADER_SIZE + buffers_length(ptr_lists[i], size_lists[i], multi)
                 continue
-            e = self._drop_entry_locked(d)
+            e = self._index.drop(d)
             if e is not None:
                 doomed.append((d, e))
-        self._used -= released
+        self._index.release(released)
         if released:
             logger.warning("file store %s: %d blocks not stored (%s); their other objects are not stored either "
                            "so no block is left incomplete", self.directory, len(failed),
@@ -196,68 +203,65 @@ class WriteMixin:
                 made.append(chunk)
                 yield chunk
 
-        with self._wlock:
+        index, log = self._index, self._log
+        with log.append_lock:
             try:
                 gen = chunks()
                 try:
-                    seg, offsets = self._append(gen, total)
+                    seg, offsets = log.append(gen, total)
                 except OSError as exc:
-                    if exc.errno not in self.full_errnos or not self._make_room(reserved, keep, exc.errno):
+                    if exc.errno not in FULL_ERRNOS or not self._space.make_room(reserved, keep, exc.errno):
                         raise
                     for _ in gen:                                  # the chunks the failed write did not reach
                         pass
-                    seg, offsets = self._append(made, total)       # once: then fail cleanly
+                    seg, offsets = log.append(made, total)         # once: then fail cleanly
             except OSError as exc:
-                with self._lock:
-                    self._used -= reserved
+                with index.lock:
+                    index.release(reserved)
                 return exc
             crcs = [c for chunk in made for c in chunk[5]]
             headers = b"".join(chunk[0] for chunk in made)
-            with self._lock:
-                self._used -= reserved
-                self._add_entries_locked(seg, digests, offsets, lengths, crcs, headers)
-            self._reclaim()
-            self._bury()
+            with index.lock:
+                index.release(reserved)
+                index.add_run(seg, digests, offsets, lengths, crcs, headers)
+            self._space.reclaim(index.capacity_bytes)
+            self._space.bury()
         return None
 
     # ------------------------------------------------------------------------------------ deletes
-    def _mark_dead(self, d: bytes, e: Entry) -> bool | None:
-        """Writes the dead magic over ``e``'s record if it is still ``d``'s live record: True when
-        marked, False when it was not live any more, None when its segment has been reclaimed.
-        Takes _wlock: call it without holding _lock."""
-        seg = e.seg
-        with self._wlock:
-            with self._lock:
-                if seg.closed:
-                    return None
-                self._pin(seg)                            # its fd stays this file's until unpinned
+    def delete(self, keys: Sequence[str]) -> list[int]:
+        """Per key: 0 removed (its record marked dead on disk), ``NOT_FOUND`` when there was none."""
+        index, log = self._index, self._log
+        log.refresh()                                     # see the copies other processes stored
+        out = []
+        touched: set[Segment] = set()
+        for key in keys:
+            if not isinstance(key, str) or not key:
+                out.append(INVALID)
+                continue
+            d = key_digest(key)
+            code = NOT_FOUND
+            for _ in range(2):                            # a second look if another process moved it
+                with index.lock:
+                    e = index.get(d)
+                    if e is None:
+                        break
+                    index.drop(d)
+                marked = log.mark_dead(d, e)
+                if marked is None:                        # its segment was reclaimed: look again
+                    log.refresh()
+                    continue
+                if marked:
+                    code = OK
+                    if e.seg not in touched and log.pin_open(e.seg):
+                        touched.add(e.seg)
+                break
+            out.append(code)
+        for seg in touched:
             try:
-                if not seg.active:                        # the active one is held shared already
-                    lock_shared(seg.fd)                   # waits out a compaction of it elsewhere
-                try:
-                    if os.fstat(seg.fd).st_nlink == 0:
-                        return None
-                    if unpack_header(os.pread(seg.fd, HEADER_SIZE, e.offset)) != e.fields(d):
-                        return False
-                    os.pwrite(seg.fd, DEAD, e.offset)
-                    return True
-                finally:
-                    if not seg.active:
-                        unlock(seg.fd)
+                log.sync(seg)
             except OSError as exc:
-                logger.warning("file store %s: cannot mark a record of %s dead: %s", self.directory, seg.name, exc)
-                return False
+                logger.warning("file store %s: cannot sync deletes in %s: %s", self.directory, seg.name, exc)
             finally:
-                with self._lock:
-                    self._unpin(seg)
-
-    def _header_is(self, e: Entry, d: bytes) -> bool | None:
-        """True when ``e``'s record on disk is still ``d``'s live record, False when it is dead or
-        another record, None when its header is damaged or unreadable."""
-        try:
-            raw = os.pread(e.seg.fd, HEADER_SIZE, e.offset)
-        except OSError:
-            return None
-        if len(raw) == HEADER_SIZE and unpack_header(raw) == e.fields(d):
-            return True
-        return False if parse_header(raw) is not None else None
+                log.unpin(seg)
+        return out

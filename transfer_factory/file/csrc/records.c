@@ -134,13 +134,13 @@ PyObject *fr_pack_headers(PyObject *self, PyObject *args)
             Py_CLEAR(out);
             goto done;
         }
-        memcpy(p, "CTKR", 4);
-        put_le(p + 4, FORMAT_VERSION, 2);
-        put_le(p + 6, 0, 2);
-        put_le(p + 8, lengths[i], 8);
-        put_le(p + 16, crcs[i], 4);
-        memcpy(p + 20, PyBytes_AS_STRING(items[i]), 32);
-        put_le(p + 52, crc32_of(p + 4, HEADER_SIZE - 8), 4);
+        memcpy(p + OFF_MAGIC, MAGIC_LIVE, MAGIC_SIZE);
+        put_le(p + OFF_VERSION, FORMAT_VERSION, 2);
+        put_le(p + OFF_FLAGS, 0, 2);
+        put_le(p + OFF_PAYLOAD_LEN, lengths[i], 8);
+        put_le(p + OFF_PAYLOAD_SUM, crcs[i], 4);
+        memcpy(p + OFF_KEY_SHA256, PyBytes_AS_STRING(items[i]), 32);
+        put_le(p + OFF_HEADER_CRC, crc32_of(p + OFF_VERSION, OFF_HEADER_CRC - OFF_VERSION), 4);
     }
 done:
     Py_XDECREF(fast);
@@ -164,9 +164,11 @@ PyObject *fr_parse_headers(PyObject *self, PyObject *args)
         char *st = PyBytes_AS_STRING(out);
         const unsigned char *p = buf.buf;
         for (Py_ssize_t i = 0; i < n; i++, p += HEADER_SIZE) {
-            int live = memcmp(p, "CTKR", 4) == 0, dead = memcmp(p, "CTKD", 4) == 0;
-            int ok = (live || dead) && get_le(p + 4, 2) == FORMAT_VERSION && get_le(p + 6, 2) == 0
-                     && crc32_of(p + 4, HEADER_SIZE - 8) == (uint32_t)get_le(p + 52, 4);
+            int live = memcmp(p + OFF_MAGIC, MAGIC_LIVE, MAGIC_SIZE) == 0;
+            int dead = memcmp(p + OFF_MAGIC, MAGIC_DEAD, MAGIC_SIZE) == 0;
+            int ok = (live || dead) && get_le(p + OFF_VERSION, 2) == FORMAT_VERSION && get_le(p + OFF_FLAGS, 2) == 0
+                     && crc32_of(p + OFF_VERSION, OFF_HEADER_CRC - OFF_VERSION)
+                            == (uint32_t)get_le(p + OFF_HEADER_CRC, 4);
             st[i] = (char)(ok ? (live ? 1 : 2) : 0);
         }
     }
@@ -253,6 +255,22 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* HEADER_LAYOUT: {field: (offset, size)} of records.h, in header order. */
+static PyObject *header_layout(void)
+{
+    return Py_BuildValue("{s(ii)s(ii)s(ii)s(ii)s(ii)s(ii)s(ii)}", "magic", OFF_MAGIC, MAGIC_SIZE, "version",
+                         OFF_VERSION, 2, "flags", OFF_FLAGS, 2, "payload_len", OFF_PAYLOAD_LEN, 8, "payload_sum",
+                         OFF_PAYLOAD_SUM, 4, "key_sha256", OFF_KEY_SHA256, 32, "header_crc", OFF_HEADER_CRC, 4);
+}
+
+/* PyModule_AddObjectRef of a new reference (or NULL with an exception), which it then drops. */
+static int add_new(PyObject *m, const char *name, PyObject *value)
+{
+    int r = value == NULL ? -1 : PyModule_AddObjectRef(m, name, value);
+    Py_XDECREF(value);
+    return r;
+}
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "transfer_factory.file._records",
     "Batch-wide record headers, checksums and vectored I/O for the FileStore (see records.c).", -1, methods,
@@ -266,7 +284,12 @@ PyMODINIT_FUNC PyInit__records(void)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddIntConstant(m, "SHA_NI", sha_ni) < 0
-                      || PyModule_AddObjectRef(m, "Entry", (PyObject *)&fr_EntryType) < 0))
+                      || PyModule_AddObjectRef(m, "Entry", (PyObject *)&fr_EntryType) < 0
+                      || PyModule_AddIntConstant(m, "HEADER_SIZE", HEADER_SIZE) < 0
+                      || PyModule_AddIntConstant(m, "FORMAT_VERSION", FORMAT_VERSION) < 0
+                      || add_new(m, "LIVE", PyBytes_FromStringAndSize(MAGIC_LIVE, MAGIC_SIZE)) < 0
+                      || add_new(m, "DEAD", PyBytes_FromStringAndSize(MAGIC_DEAD, MAGIC_SIZE)) < 0
+                      || add_new(m, "HEADER_LAYOUT", header_layout()) < 0))
         Py_CLEAR(m);
     return m;
 }

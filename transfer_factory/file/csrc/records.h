@@ -9,8 +9,21 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
+/* The record header: the one definition of its layout.  segments.py takes these from the module
+ * (HEADER_SIZE, FORMAT_VERSION, LIVE, DEAD, HEADER_LAYOUT) and refuses to load if its struct
+ * disagrees; tests/test_file_formats.py holds both to fixed bytes.  All integers little-endian. */
 #define HEADER_SIZE 56
 #define FORMAT_VERSION 2
+#define MAGIC_LIVE "CTKR"           /* a live record */
+#define MAGIC_DEAD "CTKD"           /* a dead one (deleted, or found corrupt) */
+#define MAGIC_SIZE 4
+#define OFF_MAGIC 0
+#define OFF_VERSION 4               /* 2 bytes */
+#define OFF_FLAGS 6                 /* 2 bytes, always 0 */
+#define OFF_PAYLOAD_LEN 8           /* 8 bytes */
+#define OFF_PAYLOAD_SUM 16          /* 4 bytes: low 32 bits of XXH3-64 of the payload */
+#define OFF_KEY_SHA256 20           /* 32 bytes */
+#define OFF_HEADER_CRC 52           /* 4 bytes: CRC-32 of bytes [OFF_VERSION, OFF_HEADER_CRC) */
 #define IOV_LIMIT 1024 /* Linux's IOV_MAX */
 
 /* The items of a list or tuple as unsigned 64-bit integers (PyMem_Malloc'ed); -1 with an exception. */

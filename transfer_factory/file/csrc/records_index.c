@@ -7,7 +7,7 @@
 #include <structmember.h>
 
 /* ------------------------------------------------------------------------------- object groups */
-/* file_space.group_of for every key: ``{namespace}/{hash}/{rank}`` when the key ends in
+/* space.group_of for every key: ``{namespace}/{hash}/{rank}`` when the key ends in
  * ``/{kind}`` with kind one of ``kinds``, else None. */
 PyObject *fr_key_groups(PyObject *self, PyObject *args)
 {
@@ -123,7 +123,7 @@ out:
     return result;
 }
 
-/* FileStore._note_blocks after its early exit: for every group whose members (in ``groups`` /
+/* Index.note_blocks after its early exit: for every group whose members (in ``groups`` /
  * ``digests``, None skipped) all succeeded (``done``) and are more than one, the tuple of their
  * digests becomes ``siblings[d]`` of each member ``d`` still in ``index``. */
 PyObject *fr_note_blocks(PyObject *self, PyObject *args)
@@ -204,7 +204,7 @@ out:
 
 
 /* ------------------------------------------------------------------------------- index entries */
-/* file_segments.Entry: where one object's live record is, and its header's fields (the index's
+/* segments.Entry: where one object's live record is, and its header's fields (the index's
  * value).  In C because a batch creates one per record: a Python __init__ cost more than the
  * record's copy at 16 KiB.  Not tracked by the cyclic GC: an Entry refers only to its Segment,
  * which never refers back to entries, so it cannot be part of a cycle, and thousands of them per
@@ -243,9 +243,9 @@ static PyObject *entry_size(EntryObject *self, void *closure)
 
 static PyObject *entry_fields(EntryObject *self, PyObject *digest)
 {
-    /* The live header's fields as file_segments.unpack_header returns them: equal means byte
+    /* The live header's fields as segments.unpack_header returns them: equal means byte
      * for byte the header this record was written (or found valid) with. */
-    return Py_BuildValue("(y#iiLIOI)", "CTKR", (Py_ssize_t)4, FORMAT_VERSION, 0, self->length, self->crc, digest,
+    return Py_BuildValue("(y#iiLIOI)", MAGIC_LIVE, (Py_ssize_t)MAGIC_SIZE, FORMAT_VERSION, 0, self->length, self->crc, digest,
                          self->hcrc);
 }
 
@@ -290,7 +290,7 @@ PyTypeObject fr_EntryType = {
     .tp_methods = entry_methods,
 };
 
-/* FileStore._add_entries_locked's common case: ``index[d] = Entry(seg, ...)`` for records none of
+/* Index.add_run's common case: ``index[d] = Entry(seg, ...)`` for records none of
  * which is in the index yet (the caller checked), in order; each header CRC is read from the
  * record's header in ``headers`` (the run's headers back to back). */
 PyObject *fr_new_entries(PyObject *self, PyObject *args)
@@ -321,7 +321,8 @@ PyObject *fr_new_entries(PyObject *self, PyObject *args)
         e->seg = Py_NewRef(seg);
         e->offset = (long long)offs[i], e->length = (long long)lens[i];
         e->crc = (unsigned int)crcs[i];
-        e->hcrc = (unsigned int)h[52] | (unsigned int)h[53] << 8 | (unsigned int)h[54] << 16 | (unsigned int)h[55] << 24;
+        const unsigned char *c = h + OFF_HEADER_CRC;
+        e->hcrc = (unsigned int)c[0] | (unsigned int)c[1] << 8 | (unsigned int)c[2] << 16 | (unsigned int)c[3] << 24;
         int r = PyObject_SetItem(index, d[i], (PyObject *)e);
         Py_DECREF(e);
         if (r < 0)
@@ -337,7 +338,7 @@ done:
     return ret;
 }
 
-/* FileStore._select_all: the common read batch looked up in one pass.  Every digest must be in
+/* Index.select_all: the common read batch looked up in one pass.  Every digest must be in
  * ``index`` (a dict) and every object one valid buffer (exact int pointer > 0, exact int size at
  * least the record's length); then (segments, offsets, lengths, checksums, known) of the entries,
  * known telling whether every digest is a key of ``siblings`` too (its block is known), else None
