@@ -7,7 +7,7 @@ arrives; a malformed task becomes an error result, not a crash.
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from ops.layout import plain_int_list
@@ -72,10 +72,6 @@ class ControlTask:
 
 
 Task = SwapTask | ReadStorageTask | WriteStorageTask | ControlTask
-
-
-def task_to_wire(task: Task) -> dict:
-    return asdict(task)  # a LayerwiseRef becomes its wire map
 
 
 def _layerwise(d: dict) -> LayerwiseRef | None:

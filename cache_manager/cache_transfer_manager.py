@@ -10,7 +10,9 @@ device caches (extra speculative layers and fp8 scales included), allocate host 
 space, set ``swap_space_ready_signal``, join the EngineCacheQueue and set
 ``cache_transfer_inited_signal``.  Then serve: the ``TaskScheduler`` orders tasks that share
 a block, drops those past their deadline, and runs the rest on one thread pool per kind;
-each rank sends its own result.
+each rank sends its own result.  What the rank holds (device caches, swap space, storage, model
+version) is its ``RankResources``; the RL clear/restore (``rank.lifecycle``) drives those, never
+this process object.
 
 Liveness (``engine_watch``): the process exits by itself once the engine *process* is gone
 and only then removes the segments the engine can no longer unlink; a heartbeat that stops is
@@ -19,7 +21,6 @@ logged and nothing more, since a paused engine keeps its caches.  SIGTERM gives 
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import logging
 import os
@@ -28,27 +29,21 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from itertools import chain, repeat
 from typing import Any
 
-import numpy as np
-
 import ops
 from ops.shm import SharedMemorySegment
-from transfer_factory import StorageAccess, StorageConfigError, create_storage_backend
-from transfer_factory.keys import Namespace
+from transfer_factory import StorageConfigError
 
 from cache_manager.queue import wire
 from cache_manager.cache_data import (
-    CACHE_READY_SIGNAL,
     CACHE_TRANSFER_INITED_SIGNAL,
     PER_RANK_SIGNALS,
     SWAP_SPACE_READY_SIGNAL,
     WORKER_HEALTHY_LIVE_SIGNAL,
     KV_CACHE_STATUS_SIGNAL,
     CacheStatus,
-    cache_name,
 )
 from cache_manager.cache_tasks import (ControlTask, Outcome, RankResult, ReadStorageTask, SwapTask, TaskFormatError, task_deadline,
                           task_from_wire)
@@ -57,11 +52,11 @@ from cache_manager.engine_watch import EngineGone, EngineWatch
 from cache_manager.rank.scheduler import TaskScheduler
 from cache_manager.rank.lifecycle import KvCacheLifecycle
 from cache_manager.queue.client import EngineCacheQueueClient
-from cache_manager.storage.device_mover import DeviceStorageMover
-from cache_manager.storage.staged_mover import StorageMover, staging_blocks
-from cache_manager.ipc_signal import IPCSignal, signal_segment_name
+from cache_manager.ipc_signal import signal_segment_name
 from cache_manager.layer_progress import LAYER_PROGRESS_SIGNAL
 from cache_manager.rank.layerwise_copy import RankLayerBoard, copy_layerwise, publishing
+from cache_manager.rank.resources import RankResources
+from cache_manager.rank.signals import RankSignals
 from cache_manager.rank.swap_plans import SwapPlans
 
 # A swap this small takes a few microseconds of memcpy, less than handing it to a pool thread:
@@ -70,17 +65,6 @@ from cache_manager.rank.swap_plans import SwapPlans
 INLINE_SWAP_MAX_BYTES = 256 << 10
 IDLE_POLL_MS = 250  # an idle rank wakes this often to look at kv_cache_status and the engine
 DRAIN_POLL_MS = 10  # how often a clearing rank looks whether its tasks released their blocks
-
-
-# ------------------------------------------------------------------ caches
-@dataclass
-class CacheGroup:
-    """One kind of per-layer cache (K, V or a scale) of every layer, and its host swap space."""
-
-    kind: str
-    tensors: list[Any]
-    host_ptrs: list[int] = field(default_factory=list)
-    swap_plan: Any = None  # checked once at start-up, reused by every swap task
 
 
 def rank_logger(rank: int, log_dir: str) -> logging.Logger:
@@ -117,108 +101,34 @@ class CacheTransferManager:
         self.platform = ops.get_platform(args.platform, instance=self.instance, copy_engine=wanted)
         ops.use_platform(self.platform)
         self.stop_event = threading.Event()
-        self.groups: list[CacheGroup] = []
-        self.signals: dict[str, IPCSignal] = {}
+        self.signals = RankSignals(args.engine_worker_queue_port)
         self.pools: dict[str, ThreadPoolExecutor] = {}
         self.queue: EngineCacheQueueClient | None = None
-        self.storage: StorageMover | DeviceStorageMover | None = None
         self.scheduler: TaskScheduler | None = None
+        self.lifecycle: KvCacheLifecycle | None = None  # RL weight updates: clear and restore the caches
         self.recv_seq = 0
         self.engine_watch = EngineWatch(args.engine_pid, log)
         self._next_engine_check = 0.0
-        self.lifecycle = KvCacheLifecycle(self)  # RL weight updates: clear and restore the caches
+        self.resources = RankResources(args, self.spec, self.platform, self.signals, log, self.stop_event,
+                                       self._check_engine)
         self.layer_board = RankLayerBoard(args.mp_num, args.engine_worker_queue_port, args.rank, log)
         self._swap_plans = SwapPlans()  # the kinds' swap plans merged, rebuilt when the plans change
 
     # -- start-up -------------------------------------------------------------
-    def _attach_signal(self, name: str, shape: int) -> IPCSignal:
-        sig = IPCSignal(name, np.zeros(shape, np.int32), suffix=self.args.engine_worker_queue_port)
-        self.signals[name] = sig
-        return sig
-
-    def _wait_cache_ready(self) -> None:
-        deadline = time.monotonic() + self.args.attach_timeout
-        name = signal_segment_name(CACHE_READY_SIGNAL, self.args.engine_worker_queue_port)
-        while True:
-            self._check_engine()
-            try:
-                sig = self.signals.get(CACHE_READY_SIGNAL) or self._attach_signal(CACHE_READY_SIGNAL, self.args.mp_num)
-                if sig.value[self.rank] == 1:
-                    return
-            except FileNotFoundError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"cache_ready_signal ({name}) not set for rank {self.rank} "
-                                   f"within {self.args.attach_timeout}s")
-            if self.stop_event.wait(0.05):
-                raise EngineGone("stopped while waiting for caches")
-
-    def _attach_caches(self) -> None:
-        import paddle
-
-        layer_blocks = self.spec.layer_blocks()
-        for kind, block_shape, dtype in self.spec.kinds():
-            template = paddle.empty([], dtype=dtype)
-            tensors = [
-                self.platform.share_external_data_(template, cache_name(kind, layer, self.rank, self.args.device_id),
-                                                   [blocks] + list(block_shape))
-                for layer, blocks in enumerate(layer_blocks)
-            ]
-            self.groups.append(CacheGroup(kind, tensors))
-        self.log.info("attached %d cache kinds x %d layers", len(self.groups), len(layer_blocks))
-
-    def _alloc_swap_space(self) -> None:
-        n = self.args.num_cpu_blocks
-        if n == 0:
-            return
-        total = 0
-        for g in self.groups:
-            t = g.tensors[0]
-            block_bytes = int(np.prod(t.shape[1:])) * t.element_size()
-            g.host_ptrs = [self.platform.host_alloc(n * block_bytes) for _ in g.tensors]
-            g.swap_plan = self.platform.plan_all_layers(g.tensors, g.host_ptrs, n)
-            total += n * block_bytes * len(g.tensors)
-        self.log.info("allocated %.1f MiB of host swap space (%d blocks)", total / 2**20, n)
-
-    def namespace(self) -> Namespace:
-        return self.spec.storage_namespace(self.args.model_path, self.args.model_version, self.args.mp_num)
-
-    def _open_storage(self) -> None:
-        a = self.args
-        if a.kvcache_storage_backend == "none":
-            return
-        backend = create_storage_backend(a.kvcache_storage_backend, namespace=str(self.namespace()), rank=self.rank,
-                                         options=a.storage_options)
-        groups = [(g.kind, g.tensors) for g in self.groups]
-        block_size = a.key_cache_shape[2]
-        try:
-            if backend.access == StorageAccess.DEVICE_DIRECT:
-                if a.storage_transfer == "staged":
-                    raise StorageConfigError(f"--storage_transfer staged: {backend.name} moves device blocks itself "
-                                             f"and cannot stage")
-                self.storage = DeviceStorageMover(backend, groups, self.rank, a.mp_num, a.device_id, block_size,
-                                                  self.log)
-            else:
-                self.storage = StorageMover(self.platform, backend, groups, self.namespace(), self.rank,
-                                            staging_blocks(a.max_model_len, block_size), a.storage_transfer, self.log)
-        except BaseException:
-            backend.close()
-            raise
-
     def start(self) -> None:
         a = self.args
         self.platform.set_device(a.device_id)
-        self._wait_cache_ready()
-        self._attach_caches()
-        self._alloc_swap_space()
-        self._attach_signal(SWAP_SPACE_READY_SIGNAL, a.mp_num).value[self.rank] = 1
-        self._open_storage()
+        self.resources.wait_cache_ready()
+        self.resources.attach()
+        self.resources.alloc_swap()
+        self.signals.attach(SWAP_SPACE_READY_SIGNAL, a.mp_num).value[self.rank] = 1
+        self.resources.open_storage()
         try:
-            self._attach_signal(WORKER_HEALTHY_LIVE_SIGNAL, 1)
+            self.signals.attach(WORKER_HEALTHY_LIVE_SIGNAL, 1)
         except FileNotFoundError:
             self.log.warning("no %s signal: watching the engine process only", WORKER_HEALTHY_LIVE_SIGNAL)
         try:
-            self._attach_signal(KV_CACHE_STATUS_SIGNAL, 1)
+            self.signals.attach(KV_CACHE_STATUS_SIGNAL, 1)
         except FileNotFoundError:
             self.log.warning("no %s signal: RL cache clearing is off", KV_CACHE_STATUS_SIGNAL)
         self.queue = EngineCacheQueueClient(self.rank, a.mp_num, wire.load_secret(),
@@ -228,7 +138,10 @@ class CacheTransferManager:
                               ("read_storage", 1), ("write_storage", 1), ("control", 1)):
             self.pools[kind] = ThreadPoolExecutor(workers, thread_name_prefix=kind, initializer=init)
         self.scheduler = TaskScheduler(self.pools, self.rank, self.queue.send_result, self.log)
-        self._attach_signal(CACHE_TRANSFER_INITED_SIGNAL, a.mp_num).value[self.rank] = 1
+        self.signals.attach(CACHE_TRANSFER_INITED_SIGNAL, a.mp_num)
+        self.lifecycle = KvCacheLifecycle(self.resources, self.scheduler, self.signals, self.queue, self.rank,
+                                          self.log, self.stop_event, a.rl_barrier_timeout)
+        self.signals[CACHE_TRANSFER_INITED_SIGNAL].value[self.rank] = 1
         self.log.info("ready: rank %d of %d, pid %d", self.rank, a.mp_num, os.getpid())
 
     # -- liveness ---------------------------------------------------------------
@@ -237,7 +150,7 @@ class CacheTransferManager:
 
     # -- serving ----------------------------------------------------------------
     def serve(self) -> None:
-        assert self.queue is not None and self.scheduler is not None
+        assert self.queue is not None and self.scheduler is not None and self.lifecycle is not None
         while not self.stop_event.is_set():
             try:
                 for wire_task in self.queue.poll(self._poll_ms()):
@@ -279,7 +192,7 @@ class CacheTransferManager:
             kind = "swap_to_cpu" if task.event_type == CacheStatus.SWAP2CPU else "swap_to_gpu"
             touched = chain(zip(repeat("gpu"), task.gpu_block_ids), zip(repeat("cpu"), task.cpu_block_ids))
             inline = (self.platform.copies_cannot_stall and task.layerwise is None
-                      and len(task.gpu_block_ids) * self._block_bytes_all_layers <= INLINE_SWAP_MAX_BYTES)
+                      and len(task.gpu_block_ids) * self.resources.block_bytes_all_layers <= INLINE_SWAP_MAX_BYTES)
             submit(task.task_id, seq, kind, touched, deadline, lambda: self._swap(task, deadline), inline=inline)
         elif isinstance(task, ControlTask):
             submit(task.task_id, seq, "control", (), deadline, lambda: self._control(task))
@@ -291,7 +204,7 @@ class CacheTransferManager:
 
     def _swap(self, task: SwapTask, deadline: float | None) -> Outcome:
         mode = ops.DEVICE_TO_HOST if task.event_type == CacheStatus.SWAP2CPU else ops.HOST_TO_DEVICE
-        plans = [g.swap_plan for g in self.groups]
+        plans = [g.swap_plan for g in self.resources.groups]
         if task.layerwise is None:  # no board to mark FAILED: spare the round trip a context manager
             self._check_swap_space()
             for plan in self._swap_plans.whole(plans) if self.platform.merges_swap_plans else plans:
@@ -304,15 +217,11 @@ class CacheTransferManager:
                                task.cpu_block_ids, mode, publisher,
                                deadline if deadline is not None else time.monotonic() + 30.0,
                                task.layerwise.await_compute, self.stop_event, self._swap_plans)
-        return Outcome(bytes_moved=len(task.gpu_block_ids) * self._block_bytes_all_layers)
+        return Outcome(bytes_moved=len(task.gpu_block_ids) * self.resources.block_bytes_all_layers)
 
     def _check_swap_space(self) -> None:
         if self.args.num_cpu_blocks == 0:
             raise ValueError("this CTM has no host swap space (--num_cpu_blocks 0)")
-
-    @functools.cached_property
-    def _block_bytes_all_layers(self) -> int:
-        return sum(int(np.prod(t.shape[1:])) * t.element_size() for g in self.groups for t in g.tensors)
 
     def _control(self, task: ControlTask) -> Any:
         if task.command == "ping":
@@ -326,19 +235,20 @@ class CacheTransferManager:
     def _storage(self, task: Any, deadline: float | None) -> Outcome:
         publisher = self.layer_board.publisher(task.layerwise) if task.layerwise else None
         with publishing(publisher):
-            if self.storage is None:
+            storage = self.resources.storage
+            if storage is None:
                 raise ValueError("no storage backend configured (--kvcache_storage_backend none)")
             if deadline is None:
                 deadline = time.monotonic() + task.timeout
             if isinstance(task, ReadStorageTask):
-                outcome = self.storage.read(task, deadline)
+                outcome = storage.read(task, deadline)
                 if publisher is not None:  # the blocks found, then every layer of them
                     publisher.set_blocks(len(outcome.value or []))
-                    publisher.layers_done(len(self.groups[0].tensors))
+                    publisher.layers_done(self.resources.num_layers)
                 return outcome
             if publisher is not None and task.layerwise.await_compute:
-                publisher.wait_computed(len(self.groups[0].tensors), deadline, self.stop_event)
-            return self.storage.write(task, deadline)
+                publisher.wait_computed(self.resources.num_layers, deadline, self.stop_event)
+            return storage.write(task, deadline)
 
     # -- shutdown ---------------------------------------------------------------
     def close(self, engine_gone: bool) -> None:
@@ -347,22 +257,18 @@ class CacheTransferManager:
             # The engine is gone: nobody waits for answers, and a storage client or a task stuck
             # in a backend call may take many seconds to wind down.  main() exits at once.
             return
+        if self.lifecycle is not None:
+            self.lifecycle.close()
         for pool in self.pools.values():
             pool.shutdown(wait=True, cancel_futures=True)
-        if self.storage is not None:
-            # A storage client may take seconds to close (Mooncake holds the GIL while it
-            # does); when the engine is gone, exiting promptly matters more.
-            self.storage.close(close_backend=not engine_gone)
+        self.resources.close_storage()
         if self.queue is not None:
             self.queue.flush()
-            self.queue.close()
-        for g in self.groups:
-            for ptr in g.host_ptrs:
-                self.platform.host_free(ptr)
-            for layer, t in enumerate(g.tensors):
-                self.platform.unset_data_ipc(t, cache_name(g.kind, layer, self.rank, self.args.device_id), True, False)
-        for sig in self.signals.values():
-            sig.close()
+            self.queue.close()  # also answers a barrier still waited at
+        if self.lifecycle is not None:
+            self.lifecycle.join()
+        self.resources.close()
+        self.signals.close()
         self.layer_board.close()
 
     def _remove_orphans(self) -> None:

@@ -15,7 +15,8 @@ import ops
 from transfer_factory import backend_names
 
 from cache_manager.cache_spec import CacheSpec
-from cache_manager.storage.staged_mover import TRANSFER_MODES
+from cache_manager.queue.checks import MAX_BARRIER_TIMEOUT
+from cache_manager.storage.transfer_modes import TRANSFER_MODES
 
 CACHE_DTYPES = ("uint8", "bfloat16", "block_wise_fp8")
 
@@ -117,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attach_timeout", type=float, default=120.0, help="seconds to wait for cache_ready_signal")
     p.add_argument("--log_dir", default=os.environ.get("CTM_LOG_DIR", "log"))
     p.add_argument("--swap_threads", type=_positive, default=1, help="workers per swap direction")
-    p.add_argument("--model_version", default="", help="part of the storage namespace")
+    p.add_argument("--model_version", default="", help="part of the storage namespace (at start; an RL update "
+                                                          "re-reads it from <model_path>/version.yaml)")
+    p.add_argument("--rl_barrier_timeout", type=float, default=5.0,
+                   help="seconds a rank waits at an RL clear/restore barrier for the other ranks before it logs "
+                        "the missing ones and arrives at the next")
     p.add_argument("--storage_options", type=_json, default={}, help="JSON options of the storage backend")
     p.add_argument("--storage_transfer", default="auto", choices=TRANSFER_MODES,
                    help="direct: backend reads/writes the caches in place; staged: through a staging buffer")
@@ -141,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"--key_cache_shape has {args.key_cache_shape[0]}")
     if args.attach_timeout <= 0:
         parser.error(f"argument --attach_timeout: {args.attach_timeout} must be positive")
+    if not 0 < args.rl_barrier_timeout <= MAX_BARRIER_TIMEOUT:
+        parser.error(f"argument --rl_barrier_timeout: {args.rl_barrier_timeout} must be in (0, {MAX_BARRIER_TIMEOUT:g}]")
     return args
 
 

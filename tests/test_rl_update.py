@@ -3,6 +3,7 @@ KV from the old weights never served after the update; with file and Mooncake st
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -20,6 +21,10 @@ from transfer_factory.keys import chain_hash_ids
 
 def status_of(svc) -> KVCacheStatus:
     return KVCacheStatus(int(svc.signals[KV_CACHE_STATUS_SIGNAL].value[0]))
+
+
+def status_of_signal(signals) -> KVCacheStatus:
+    return KVCacheStatus(int(signals[KV_CACHE_STATUS_SIGNAL].value[0]))
 
 
 def set_version(model_dir, version: str) -> None:
@@ -153,6 +158,50 @@ def test_a_rank_killed_while_clearing_fails_the_clear_instead_of_hanging_it(tmp_
     assert segments_of(port) == []
 
 
+def rank_log(svc, rank: int) -> str:
+    with open(os.path.join(svc.log_dir, f"cache_transfer_manager_rank{rank}.log")) as f:
+        return f.read()
+
+
+def test_the_ranks_reach_cleared_in_lock_step_past_a_stopped_rank():
+    """A rank stopped (SIGSTOP) in the middle of a clear: every other rank detaches and waits at the
+    CLEARED barrier, whose attempts time out alike on each, naming the stopped rank; none sets
+    CLEARED, so the engine's clear times out naming it.  Once it resumes it catches up with the
+    barrier the others wait at, and the clear completes; so does the restore after it."""
+    svc = start_service(SMALL, tp=3, extra_flags={"rl_barrier_timeout": 0.5})
+    port = svc.port
+    try:
+        hold = svc.control("sleep", seconds=2.0, rank=1)  # rank 1's clear drains this task
+        time.sleep(0.3)  # let it start on rank 1
+        pid = svc.pids()[1]
+        stopper = threading.Timer(0.3, os.kill, (pid, signal.SIGSTOP))  # once the clear began
+        stopper.start()
+        try:
+            with pytest.raises(CacheUpdateError, match=r"ranks not done: \[1\]"):
+                svc.clear_caches(timeout=4.0)
+            stopper.join()
+            assert status_of(svc) == KVCacheStatus.CLEARING  # no rank set CLEARED
+            assert list(svc.signals[CACHE_READY_SIGNAL].value) == [0, 1, 0]  # ranks 0 and 2 detached
+            for rank in (0, 2):
+                timeouts = re.findall(r"barrier rl/cleared/(\d+) timed out after [\d.]+s: rank\(s\) \[1\] not cleared",
+                                      rank_log(svc, rank))
+                assert len(timeouts) >= 2, rank_log(svc, rank)  # attempt after attempt, alike on each rank
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        svc.clear_caches(timeout=30)
+        assert status_of(svc) == KVCacheStatus.CLEARED
+        assert hold.result(timeout=10) == [None, None, None]
+        for rank in range(3):
+            assert re.search(r"every rank is cleared \(barrier rl/cleared/\d+\)", rank_log(svc, rank))
+        svc.restore_caches(timeout=60)
+        assert status_of(svc) == KVCacheStatus.NORMAL
+        fill_distinct(svc, seed=12)
+        assert swap_round_trip_is_exact(svc, 3, 0, 4)
+    finally:
+        svc.shutdown()
+    assert segments_of(port) == []
+
+
 def test_a_clear_keeps_the_caches_a_late_direct_read_may_still_write(tmp_path):
     """A direct read stuck past its deadline may still write its device blocks.  The clear must
     not detach them, and the engine must not free them, until that read has returned; then the
@@ -199,6 +248,7 @@ def test_a_draining_rank_never_detaches_while_a_task_holds_blocks(monkeypatch):
 
     from cache_manager.rank import lifecycle as kv_cache_lifecycle
     from cache_manager.cache_data import CACHE_TRANSFER_INITED_SIGNAL, SWAP_SPACE_READY_SIGNAL
+    from cache_manager.queue.client import BarrierAnswer
 
     monkeypatch.setattr(kv_cache_lifecycle, "DRAIN_TIMEOUT", 0.05)
     monkeypatch.delenv(kv_cache_lifecycle.SWAP_CLEARING_ENV, raising=False)
@@ -206,9 +256,19 @@ def test_a_draining_rank_never_detaches_while_a_task_holds_blocks(monkeypatch):
     signals = {name: SimpleNamespace(value=np.ones(2, np.int32)) for name in
                (CACHE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL, SWAP_SPACE_READY_SIGNAL)}
     signals[KV_CACHE_STATUS_SIGNAL] = SimpleNamespace(value=np.array([int(KVCacheStatus.CLEARING)], np.int32))
-    ctm = SimpleNamespace(rank=0, signals=signals, log=logging.getLogger("test.lifecycle"), storage=None, groups=[],
-                          scheduler=SimpleNamespace(active=lambda: held[0], expire_waiting=lambda: None))
-    life = kv_cache_lifecycle.KvCacheLifecycle(ctm)
+    detached = []
+    resources = SimpleNamespace(close_storage=lambda: None, free_swap=lambda: None,
+                                detach=lambda: detached.append(True))
+    arrivals = []
+
+    def arrive(name, value, timeout):  # the other rank never comes: every barrier times out
+        arrivals.append(name)
+        time.sleep(0.02)
+        return BarrierAnswer(False, None, [1])
+
+    life = kv_cache_lifecycle.KvCacheLifecycle(
+        resources, SimpleNamespace(active=lambda: held[0]), signals, SimpleNamespace(arrive=arrive), rank=0,
+        log=logging.getLogger("test.lifecycle"), stop_event=threading.Event(), barrier_timeout=0.02)
     deadline = time.monotonic() + 0.3
     while time.monotonic() < deadline:
         life.step()
@@ -217,8 +277,14 @@ def test_a_draining_rank_never_detaches_while_a_task_holds_blocks(monkeypatch):
         time.sleep(0.01)
     held[0] = 0
     life.step()
-    assert life.detached and not life.draining and life.refusal() is not None
+    assert life.detached and not life.draining and life.refusal() is not None and detached == [True]
     assert signals[CACHE_READY_SIGNAL].value[0] == 0 and signals[CACHE_TRANSFER_INITED_SIGNAL].value[0] == 0
+    time.sleep(0.2)
+    life.close()
+    life.join()
+    # Detached, it arrived at the CLEARED barriers, attempt after attempt; none passed, so the status stays.
+    assert arrivals[:2] == ["rl/cleared/0", "rl/cleared/1"]
+    assert status_of_signal(signals) == KVCacheStatus.CLEARING
 
 
 def test_restarting_the_ranks_of_a_stuck_clear_lets_it_finish(tmp_path):

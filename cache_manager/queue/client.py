@@ -12,6 +12,7 @@ import os
 import secrets
 import threading
 import time
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -23,6 +24,17 @@ from cache_manager.queue.session import CONTROL, DOWN, FIRST_RESULTS, MAX_RESULT
 from cache_manager.queue.zmq_sockets import NONCE_BYTES, POLL_MS, RECV_BATCH, EdgePoller, Waker, readable, routing_id, socket_options
 
 logger = logging.getLogger("cache_manager.queue.server")
+
+@dataclass(frozen=True)
+class BarrierAnswer:
+    """What a rank got at a barrier: ``ok`` with the minimum of the values, or not ``ok``; a barrier
+    that timed out names the ranks that never arrived (``missing``), one that had failed before this
+    rank arrived names none."""
+
+    ok: bool
+    value: int | None = None
+    missing: list[int] = field(default_factory=list)
+
 
 class _ResultChannel:
     """One worker thread's own socket: its own stream of the rank's session, its own counter."""
@@ -282,6 +294,11 @@ class EngineCacheQueueClient:
 
     def barrier(self, name: str, value: int = 0, timeout: float = 30.0) -> tuple[bool, int | None]:
         """Wait until every rank reaches ``name``; returns (ok, min of values).  Not from the poll thread."""
+        answer = self.arrive(name, value, timeout)
+        return answer.ok, answer.value
+
+    def arrive(self, name: str, value: int = 0, timeout: float = 30.0) -> BarrierAnswer:
+        """``barrier`` with the whole answer (the missing ranks of one that timed out)."""
         if type(name) is not str or len(name) > MAX_NAME_CHARS:
             raise ValueError(f"barrier name {name!r:.80} must be a string of at most {MAX_NAME_CHARS} characters")
         if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
@@ -297,9 +314,11 @@ class EngineCacheQueueClient:
         if not event.wait(timeout + 5.0):
             with self._barrier_lock:
                 self._barrier_waits.pop(name, None)
-            return False, None
+            return BarrierAnswer(False)
         body = slot[0]
-        return bool(body.get("ok")), body.get("value")
+        missing = body.get("missing")
+        missing = [r for r in missing if is_int(r)] if isinstance(missing, list) else []
+        return BarrierAnswer(bool(body.get("ok")), body.get("value"), missing)
 
     def _release_barrier(self, name: str, body: dict) -> None:
         with self._barrier_lock:
@@ -314,7 +333,13 @@ class EngineCacheQueueClient:
             self._send_control(body)
 
     def close(self, linger_ms: int = 1000) -> None:
-        """Close every socket; call after the threads that sent results have stopped."""
+        """Close every socket; call after the threads that sent results have stopped.  A thread
+        still waiting at a barrier gets a failed answer at once."""
+        with self._barrier_lock:
+            waiting, self._barrier_waits = list(self._barrier_waits.values()), {}
+        for event, slot in waiting:
+            slot.append({"type": "barrier_done", "ok": False})
+            event.set()
         for channel in self._channels:
             channel.close(linger_ms)  # let the last results leave
         if self._local is not None:

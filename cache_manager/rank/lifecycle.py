@@ -16,7 +16,9 @@ CLEARED -2); the serve loop calls ``step()`` every iteration.
    (``swap_space_ready_signal[rank] = 0``);
 5. detaches every device cache and sets ``cache_ready_signal[rank] = 0`` and
    ``cache_transfer_inited_signal[rank] = 0``;
-6. once every rank's ``cache_ready_signal`` is 0, sets CLEARED (any rank may; it is idempotent).
+6. arrives at the ranks' CLEARED barrier (``lockstep``): once every rank has detached, every rank
+   sets CLEARED (idempotent); a barrier that times out sets nothing on any rank, logs the ranks
+   still missing, and the rank arrives at the next one.
 
 **CLEARED**: every task fails at once with a clear error.
 
@@ -25,45 +27,62 @@ CLEARED -2); the serve loop calls ``step()`` every iteration.
 space (or re-plans the copies onto the kept one), re-reads the storage key prefix from
 ``<model_path>/version.yaml`` (FastDeploy maps ``RL-STEP12-<time>-<uuid>`` to ``RL-STEP12``) into
 the namespace's model version, re-opens storage, and sets ``swap_space_ready`` and
-``cache_transfer_inited``.  Once every rank is inited it sets NORMAL.  KV written under the old
-weights lives under the old namespace: it is never served after the update.
+``cache_transfer_inited``, then arrives at the ranks' NORMAL barrier: once every rank has restored
+(a rank restarted meanwhile, attached at its start, arrives too), every rank sets NORMAL.  A rank
+that fails to restore stays detached and the status stays UPDATING, so the engine's restore
+times out naming it.  KV written under the old weights lives under the old namespace: it is never
+served after the update.
+
+The lifecycle drives the rank's ``RankResources`` through their methods only; it is given them,
+the task scheduler, the rank's signals and the queue (for the barriers), never the CTM.
 """
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-import numpy as np
-
-from cache_manager.cache_spec import key_prefix_from_version
 from cache_manager.cache_data import (CACHE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL, KV_CACHE_STATUS_SIGNAL,
-                         SWAP_SPACE_READY_SIGNAL, KVCacheStatus, cache_name)
-
-if TYPE_CHECKING:
-    from cache_manager.cache_transfer_manager import CacheTransferManager
+                                      SWAP_SPACE_READY_SIGNAL, KVCacheStatus)
+from cache_manager.rank.lockstep import BarrierQueue, StatusLockstep
+from cache_manager.rank.resources import RankResources
+from cache_manager.rank.signals import RankSignals
 
 SWAP_CLEARING_ENV = "FD_ENABLE_SWAP_SPACE_CLEARING"
 DRAIN_TIMEOUT = 60.0  # seconds of draining after which a rank logs the tasks that still hold its blocks
+RESTORE_RETRY_PAUSE = 0.5  # seconds between a failed restore and the next try (the status stays UPDATING)
+CLEARED_STEP, RESTORED_STEP = "cleared", "restored"  # the lock-step barriers' steps
 
 
 def _enabled(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+class ActiveTasks(Protocol):
+    def active(self) -> int: ...
+
+
 class KvCacheLifecycle:
-    def __init__(self, ctm: "CacheTransferManager"):
-        self.ctm = ctm
+    def __init__(self, resources: RankResources, scheduler: ActiveTasks, signals: RankSignals, queue: BarrierQueue,
+                 rank: int, log: logging.Logger, stop_event: threading.Event, barrier_timeout: float):
+        self._resources = resources
+        self._scheduler = scheduler
+        self._signals = signals
+        self._rank = rank
+        self._log = log
+        self._stop_event = stop_event
+        self._lockstep = StatusLockstep(queue, rank, barrier_timeout, log, self._on_barrier_passed)
         self.cleared = False  # refusing tasks: a clear began and no restore ended it
         self.detached = False  # the caches are detached (a clear finished draining)
         self._drain_started = 0.0
         self._drain_overdue_logged = False
         self._swap_freed = False
-        self._kept_host: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ state
     def status(self) -> int:
-        sig = self.ctm.signals.get(KV_CACHE_STATUS_SIGNAL)
+        sig = self._signals.get(KV_CACHE_STATUS_SIGNAL)
         return int(sig.value[0]) if sig is not None else int(KVCacheStatus.NORMAL)
 
     def refusal(self) -> str | None:
@@ -71,7 +90,7 @@ class KvCacheLifecycle:
         status = self.status()
         if self.cleared or status == KVCacheStatus.CLEARED:  # tasks received before the clear began drain
             name = next((m.name for m in KVCacheStatus if m == status), str(status))
-            return (f"kv caches of rank {self.ctm.rank} are cleared for a weight update (kv_cache_status {name}); "
+            return (f"kv caches of rank {self._rank} are cleared for a weight update (kv_cache_status {name}); "
                     f"restore them first")
         return None
 
@@ -86,25 +105,34 @@ class KvCacheLifecycle:
             self._begin_clear()
         if self.draining and status == KVCacheStatus.CLEARING:
             self._finish_clear_when_drained()
-        if self.detached and status == KVCacheStatus.CLEARING and self._all(CACHE_READY_SIGNAL, 0):
-            self._set_status(KVCacheStatus.CLEARED)
         if status == KVCacheStatus.UPDATING and self.detached:
             self._restore()
-        if status == KVCacheStatus.UPDATING and not self.cleared and self._all(CACHE_TRANSFER_INITED_SIGNAL, 1):
-            self._set_status(KVCacheStatus.NORMAL)
+        if status == KVCacheStatus.CLEARING and self.detached:
+            self._lockstep.request(CLEARED_STEP)
+        elif status == KVCacheStatus.UPDATING and not self.cleared:
+            self._lockstep.request(RESTORED_STEP)
+        elif self._lockstep.waiting_for is not None:
+            self._lockstep.cancel()  # the status moved on without this rank's barrier
 
-    def _all(self, name: str, value: int) -> bool:
-        return bool(np.all(self.ctm.signals[name].value == value))
+    def close(self) -> None:
+        """Stop arriving at barriers (a wait in progress ends when the queue closes: then ``join``)."""
+        self._lockstep.stop()
 
-    def _set_status(self, status: KVCacheStatus) -> None:
-        sig = self.ctm.signals[KV_CACHE_STATUS_SIGNAL]
-        if int(sig.value[0]) != status:
-            sig.value[0] = int(status)
-            self.ctm.log.info("[RL] kv_cache_status -> %s", status.name)
+    def join(self) -> None:
+        self._lockstep.join()
+
+    def _on_barrier_passed(self, step: str) -> None:
+        """Every rank reached ``step``: move the status on, unless the engine or another rank did."""
+        expected, new = ((KVCacheStatus.CLEARING, KVCacheStatus.CLEARED) if step == CLEARED_STEP
+                         else (KVCacheStatus.UPDATING, KVCacheStatus.NORMAL))
+        sig = self._signals[KV_CACHE_STATUS_SIGNAL]
+        if int(sig.value[0]) == expected:
+            sig.value[0] = int(new)
+            self._log.info("[RL] kv_cache_status -> %s", new.name)
 
     # ------------------------------------------------------------------ clear
     def _begin_clear(self) -> None:
-        self.ctm.log.info("[RL] clearing caches: refusing new tasks, draining %d in flight", self.ctm.scheduler.active())
+        self._log.info("[RL] clearing caches: refusing new tasks, draining %d in flight", self._scheduler.active())
         self.cleared = True  # refusal() answers every task from here on
         self._drain_started = time.monotonic()
         self._drain_overdue_logged = False
@@ -114,68 +142,43 @@ class KvCacheLifecycle:
         its blocks (it may yet write them): the caches stay attached, however long that takes, so
         the engine never frees memory an I/O can still touch.  The engine's clear fails at its
         own timeout naming this rank; restarting the rank ends the I/O."""
-        ctm, log = self.ctm, self.ctm.log
-        if ctm.scheduler.active():
+        held = self._scheduler.active()
+        if held:
             if not self._drain_overdue_logged and time.monotonic() - self._drain_started > DRAIN_TIMEOUT:
                 self._drain_overdue_logged = True
-                log.error("[RL] %d tasks still hold their blocks after %.0fs; the caches stay attached until "
-                          "they release them (restart this rank to end their I/O)", ctm.scheduler.active(),
-                          DRAIN_TIMEOUT)
+                self._log.error("[RL] %d tasks still hold their blocks after %.0fs; the caches stay attached until "
+                                "they release them (restart this rank to end their I/O)", held, DRAIN_TIMEOUT)
             return
-        if ctm.storage is not None:
-            ctm.storage.close()
-            ctm.storage = None
-        rank = ctm.rank
+        rank, resources = self._rank, self._resources
+        resources.close_storage()  # the namespace changes with the weights
         if _enabled(SWAP_CLEARING_ENV):
-            for g in ctm.groups:
-                for ptr in g.host_ptrs:
-                    ctm.platform.host_free(ptr)
+            resources.free_swap()
             self._swap_freed = True
-            self._kept_host = {}
-            ctm.signals[SWAP_SPACE_READY_SIGNAL].value[rank] = 0
-        else:
-            self._kept_host = {g.kind: g.host_ptrs for g in ctm.groups}
-        self._detach()
+            self._signals[SWAP_SPACE_READY_SIGNAL].value[rank] = 0
+        resources.detach()  # a swap space not freed is kept, and re-planned onto the restored caches
         self.detached = True
-        ctm.signals[CACHE_TRANSFER_INITED_SIGNAL].value[rank] = 0
-        ctm.signals[CACHE_READY_SIGNAL].value[rank] = 0
-        log.info("[RL] rank %d cleared: caches detached%s", rank, ", swap space freed" if self._swap_freed else "")
-
-    def _detach(self) -> None:
-        ctm = self.ctm
-        for g in ctm.groups:
-            for layer, t in enumerate(g.tensors):
-                ctm.platform.unset_data_ipc(t, cache_name(g.kind, layer, ctm.rank, ctm.args.device_id), True, False)
-        ctm.groups = []
+        self._signals[CACHE_TRANSFER_INITED_SIGNAL].value[rank] = 0
+        self._signals[CACHE_READY_SIGNAL].value[rank] = 0
+        self._log.info("[RL] rank %d cleared: caches detached%s", rank,
+                       ", swap space freed" if self._swap_freed else "")
 
     # ------------------------------------------------------------------ restore
     def _restore(self) -> None:
-        ctm, log, rank = self.ctm, self.ctm.log, self.ctm.rank
-        log.info("[RL] restoring caches: waiting for cache_ready_signal")
+        rank, resources = self._rank, self._resources
+        self._log.info("[RL] restoring caches: waiting for cache_ready_signal")
         try:
-            ctm._wait_cache_ready()
-            ctm._attach_caches()
-            if self._swap_freed:
-                ctm._alloc_swap_space()
-            else:
-                n = ctm.args.num_cpu_blocks
-                for g in ctm.groups:
-                    g.host_ptrs = self._kept_host.get(g.kind, [])
-                    if n and g.host_ptrs:
-                        g.swap_plan = ctm.platform.plan_all_layers(g.tensors, g.host_ptrs, n)
-            if ctm.args.kvcache_storage_backend != "none":
-                ctm.args.model_version = key_prefix_from_version(ctm.args.model_path)
-                log.info("[RL] storage key prefix (model version) is now %r", ctm.args.model_version)
-                ctm._open_storage()
+            resources.wait_cache_ready()
+            resources.attach()
+            resources.alloc_swap()
+            resources.reload_model_version()
+            resources.open_storage()
         except Exception:
-            log.exception("[RL] rank %d failed to restore its caches; it stays cleared", rank)
-            if ctm.storage is not None:
-                ctm.storage.close()
-                ctm.storage = None
-            self._detach()
-            ctm.stop_event.wait(0.5)  # the status stays UPDATING; the engine's restore names this rank
+            self._log.exception("[RL] rank %d failed to restore its caches; it stays cleared", rank)
+            resources.close_storage()
+            resources.detach()
+            self._stop_event.wait(RESTORE_RETRY_PAUSE)  # the status stays UPDATING; the engine's restore names this rank
             return
-        self.cleared, self.detached, self._swap_freed, self._kept_host = False, False, False, {}
-        ctm.signals[SWAP_SPACE_READY_SIGNAL].value[rank] = 1
-        ctm.signals[CACHE_TRANSFER_INITED_SIGNAL].value[rank] = 1
-        log.info("[RL] rank %d restored (namespace %s)", rank, ctm.namespace())
+        self.cleared, self.detached, self._swap_freed = False, False, False
+        self._signals[SWAP_SPACE_READY_SIGNAL].value[rank] = 1
+        self._signals[CACHE_TRANSFER_INITED_SIGNAL].value[rank] = 1
+        self._log.info("[RL] rank %d restored (namespace %s)", rank, resources.namespace())

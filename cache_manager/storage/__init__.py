@@ -4,9 +4,7 @@
   into a block-major staging buffer and stored as one object per block, kind and rank.
 - ``device_mover.DeviceStorageMover``: device-direct backends (EMS, AttentionStore) that move the
   device blocks themselves.
+- ``transfer_modes``: the ``--storage_transfer`` modes and how a rank picks its path; the flag
+  parser imports it alone, so this package imports no mover by itself.
 - ``io_threads``: the I/O threads, scatter leases and per-task statistics both movers share.
 """
-from cache_manager.storage.device_mover import DeviceStorageMover
-from cache_manager.storage.staged_mover import TRANSFER_MODES, StorageMover, resolve_transfer
-
-__all__ = ["DeviceStorageMover", "StorageMover", "TRANSFER_MODES", "resolve_transfer"]

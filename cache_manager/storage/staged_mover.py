@@ -28,16 +28,13 @@ move the bytes, chosen from what the platform and the backend say they can do:
 Writes are write-through and skip the leading blocks already stored.  Reads load the
 leading run of blocks present and intact for every kind.  Every backend call runs on a
 per-direction I/O thread with a bounded backlog; a call whose deadline passed before it
-started is cancelled and never starts, and a full backlog or no free staging buffer fails
-the chunk at once with a log line, so a stuck backend shows up as failed tasks, never as
-memory growth or a hang.
+started is cancelled and never starts, and a full backlog or no free staging buffer
+(``staging`` owns them) fails the chunk at once with a log line, so a stuck backend shows up as
+failed tasks, never as memory growth or a hang.
 """
 from __future__ import annotations
 
 import logging
-import math
-import queue
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -51,11 +48,13 @@ from transfer_factory.keys import Namespace, storage_key
 from transfer_factory.kvcache_storage import KVCacheStorage, StorageAccess
 
 from cache_manager.cache_tasks import Outcome, ReadStorageTask, WriteStorageTask
-from cache_manager.storage.io_threads import (IO_BACKLOG, KIND_TAGS, IOThread, ScatterLease, StorageBusy, begin_task_stats,
+from cache_manager.storage.io_threads import (IO_BACKLOG, KIND_TAGS, IOThread, ScatterLease, StorageBusy,
+                         begin_task_stats,
                          check_block_ids, close_backend_within, current_task_stats, leading, read_span, start_call,
                          wait_call)
+from cache_manager.storage.staging import StagingBuffer, StagingBuffers
+from cache_manager.storage.transfer_modes import resolve_transfer
 
-TRANSFER_MODES = ("auto", "staged", "direct")
 STAGING_BUFFERS = 2  # per direction: one for the task at hand, one held by a call that outlived its task
 
 
@@ -71,15 +70,6 @@ class _Group:
     @property
     def object_bytes(self) -> int:
         return self.block_bytes * len(self.tensors)
-
-
-@dataclass(eq=False)
-class _Staging:
-    """One staging buffer per cache kind (block-major) and its copy plans."""
-
-    ptrs: list[int]
-    plans: list[Any]
-    registered: bool = False
 
 
 @dataclass
@@ -123,44 +113,13 @@ class StorageMover:
         # chunk in one call.
         piece = int(getattr(backend, "staged_read_piece_bytes", 0) or 0)
         self._piece_blocks = max(1, piece // self._block_bytes()) if piece and platform.copies_cannot_stall else 0
-        self._staging_count = staging_buffers
-        self._staging: dict[str, queue.SimpleQueue] = {"read": queue.SimpleQueue(), "write": queue.SimpleQueue()}
-        self._all_staging: list[_Staging] = []
-        self._staging_lock = threading.Lock()
+        self._staging = StagingBuffers(platform, backend, [g.tensors for g in self.groups],
+                                       [g.object_bytes for g in self.groups], max_blocks, staging_buffers)
         if not self.direct:
-            self._prepare_staging()
-            for buf in self._all_staging:
-                self._register(buf)
+            self._staging.prepare()
+            self._staging.register_all()
         log.info("storage: backend %s, %s path, namespace %s", backend.name, "direct" if self.direct else "staged",
                  namespace)
-
-    # ------------------------------------------------------------------ staging buffers
-    def _prepare_staging(self) -> None:
-        """Allocate the staging buffers and their copy plans (no backend call: it may be stuck)."""
-        with self._staging_lock:
-            if self._all_staging:
-                return
-            for direction in ("read", "write"):
-                for _ in range(self._staging_count):
-                    ptrs = [self.platform.host_alloc(self.max_blocks * g.object_bytes) for g in self.groups]
-                    plans = [self.platform.plan_layout(g.tensors, ptr, list(g.tensors[0].shape))
-                             for g, ptr in zip(self.groups, ptrs)]
-                    buf = _Staging(ptrs, plans)
-                    self._all_staging.append(buf)
-                    self._staging[direction].put(buf)
-
-    def _register(self, buf: _Staging) -> None:
-        if not buf.registered:
-            for g, ptr in zip(self.groups, buf.ptrs):
-                self.backend.register_buffer(ptr, self.max_blocks * g.object_bytes)
-            buf.registered = True
-
-    def _take_staging(self, direction: str) -> _Staging:
-        try:
-            return self._staging[direction].get_nowait()
-        except queue.Empty:
-            raise StorageBusy(f"every {direction} staging buffer is held by a storage call that outlived its task "
-                              f"({self.backend.name} is stuck)") from None
 
     def _fall_back_to_staging(self) -> None:
         """A direct call outlived its task: stage every later transfer.  The buffers are set up
@@ -168,7 +127,7 @@ class StorageMover:
         if not self.direct:
             return
         try:
-            self._prepare_staging()
+            self._staging.prepare()
         except Exception as exc:
             self.log.error("cannot set up staging buffers (%s): storage stays on the direct path", exc)
             return
@@ -187,7 +146,7 @@ class StorageMover:
         sizes = [[g.block_bytes] * len(g.layer_ptrs) for _ in gpu_ids for g in self.groups]
         return ptrs, sizes
 
-    def _staged_batch(self, buf: _Staging, n: int) -> tuple[list[int], list[int]]:
+    def _staged_batch(self, buf: StagingBuffer, n: int) -> tuple[list[int], list[int]]:
         """Per object (block-major, then kind): its slot in the kind's staging buffer."""
         ptrs = [ptr + j * g.object_bytes for j in range(n) for g, ptr in zip(self.groups, buf.ptrs)]
         return ptrs, [g.object_bytes for _ in range(n) for g in self.groups]
@@ -245,7 +204,7 @@ class StorageMover:
             future = self._start("write", lambda: self.backend.batch_set_multi(keys, ptrs, sizes), deadline, what)
             return self._finish_direct(future, deadline, what, lambda res: [r == 0 for r in res], len(hashes))
         try:
-            buf = self._take_staging("write")
+            buf = self._staging.take("write")
         except StorageBusy as exc:
             self.log.error("storage %s not started: %s", what, exc)
             return _Chunk()
@@ -254,19 +213,19 @@ class StorageMover:
             for g, plan in zip(self.groups, buf.plans):
                 self.platform.run_plan(plan, list(gpu_ids), list(range(len(gpu_ids))), ops.DEVICE_TO_HOST)
         except BaseException:
-            self._staging["write"].put(buf)
+            self._staging.give_back("write", buf)
             raise
         ptrs, sizes = self._staged_batch(buf, len(gpu_ids))
 
         def job() -> list[int]:
-            self._register(buf)
+            self._staging.register(buf)
             return self.backend.batch_set(keys, ptrs, sizes)
 
         future = self._start("write", job, deadline, what)
         if future is None:
-            self._staging["write"].put(buf)
+            self._staging.give_back("write", buf)
             return _Chunk()
-        future.add_done_callback(lambda _f: self._staging["write"].put(buf))  # also on cancel
+        future.add_done_callback(lambda _f: self._staging.give_back("write", buf))  # also on cancel
         res, _ = self._wait(future, deadline, what)  # a late call only reads its own snapshot
         if res is None:
             return _Chunk()
@@ -316,7 +275,7 @@ class StorageMover:
             future = self._start("read", lambda: self.backend.batch_get_multi(keys, ptrs, sizes), deadline, what)
             return self._finish_direct(future, deadline, what, full, len(hashes))
         try:
-            buf = self._take_staging("read")
+            buf = self._staging.take("read")
         except StorageBusy as exc:
             self.log.error("storage %s not started: %s", what, exc)
             return _Chunk()
@@ -325,16 +284,16 @@ class StorageMover:
         ptrs, sizes = self._staged_batch(buf, len(gpu_ids))
 
         def job() -> list[int]:
-            self._register(buf)
+            self._staging.register(buf)
             return self.backend.batch_get(keys, ptrs, sizes)
 
         future = self._start("read", job, deadline, what)
         if future is None:
-            self._staging["read"].put(buf)
+            self._staging.give_back("read", buf)
             return _Chunk()
         res, running = self._wait(future, deadline, what)
         if running:  # the buffer comes back when the call does
-            future.add_done_callback(lambda _f: self._staging["read"].put(buf))
+            future.add_done_callback(lambda _f: self._staging.give_back("read", buf))
             return _Chunk()
         try:
             loaded = leading(self._per_block(full(res), len(hashes))) if res is not None else 0
@@ -344,14 +303,14 @@ class StorageMover:
             if loaded:  # only the good prefix, only in time
                 self._scatter(buf, gpu_ids[:loaded], range(loaded))
         finally:
-            self._staging["read"].put(buf)
+            self._staging.give_back("read", buf)
         return _Chunk(loaded)
 
-    def _scatter(self, buf: _Staging, gpu_ids: Sequence[int], slots: Sequence[int], bulk: bool = False) -> None:
+    def _scatter(self, buf: StagingBuffer, gpu_ids: Sequence[int], slots: Sequence[int], bulk: bool = False) -> None:
         for plan in buf.plans:
             self.platform.run_plan(plan, list(gpu_ids), list(slots), ops.HOST_TO_DEVICE, bulk=bulk)
 
-    def _read_pieces(self, buf: _Staging, keys: list[str], gpu_ids: Sequence[int], deadline: float,
+    def _read_pieces(self, buf: StagingBuffer, keys: list[str], gpu_ids: Sequence[int], deadline: float,
                      what: str) -> _Chunk:
         """A staged read in pieces that stay in the CPU cache: the I/O thread reads a piece into
         the first slots of the staging buffer and scatters it at once, under a lease the task
@@ -363,7 +322,7 @@ class StorageMover:
         ptrs, sizes = self._staged_batch(buf, min(step, len(gpu_ids)))
 
         def job() -> tuple[int, int]:
-            self._register(buf)
+            self._staging.register(buf)
             loaded = calls = 0
             for start in range(0, len(gpu_ids), step):
                 n = min(step, len(gpu_ids) - start)
@@ -381,14 +340,14 @@ class StorageMover:
 
         future = self._start("read", job, deadline, what)
         if future is None:
-            self._staging["read"].put(buf)
+            self._staging.give_back("read", buf)
             return _Chunk()
         res, running = self._wait(future, deadline, what)
         lease.revoke()  # from here on the job scatters nothing: the task may answer
         if running:
-            future.add_done_callback(lambda _f: self._staging["read"].put(buf))
+            future.add_done_callback(lambda _f: self._staging.give_back("read", buf))
             return _Chunk()
-        self._staging["read"].put(buf)
+        self._staging.give_back("read", buf)
         if res is None:
             return _Chunk()
         loaded, calls = res
@@ -401,25 +360,6 @@ class StorageMover:
         returned are left to process exit."""
         idle = all(io.stop(timeout) for io in self._io.values())
         if idle:
-            for buf in self._all_staging:
-                for ptr in buf.ptrs:
-                    self.platform.host_free(ptr)
-            self._all_staging.clear()
+            self._staging.free_all()
         if close_backend:
             close_backend_within(self.backend, timeout, self.log)
-
-
-def resolve_transfer(transfer: str, backend: Any, platform: Any) -> str:
-    """The path a rank takes for ``--storage_transfer transfer`` ("staged" or "direct"), from what
-    the backend and the platform (instances or classes) can do.  auto stages: only a staged call
-    can outlive its task harmlessly."""
-    if transfer not in TRANSFER_MODES:
-        raise ValueError(f"storage transfer mode {transfer!r} must be one of {TRANSFER_MODES}")
-    if transfer == "direct" and not (backend.supports_multi_buffer and platform.host_addressable):
-        raise ValueError(f"--storage_transfer direct needs multi-buffer calls on a host-addressable platform "
-                         f"({backend.name} on {platform.name} has not)")
-    return "direct" if transfer == "direct" else "staged"
-
-
-def staging_blocks(max_model_len: int, block_size: int) -> int:
-    return max(1, math.ceil(max_model_len / block_size))
