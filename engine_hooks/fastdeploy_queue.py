@@ -1,9 +1,11 @@
 """FastDeploy's ``EngineCacheQueue``, engine side, over this project's secure queue (zmq, msgpack,
 HMAC frames; never pickle).  The contract is in README.md, "Adopting from FastDeploy"; in short:
 
-* ``is_server=True`` hosts one ``EngineCacheQueueServer``, one ``TaskTracker`` and a supervisor
-  thread (deadlines, pumping, CTM deaths through pidfds); ``is_server=False`` is a handle on the
-  server of that port in this process.  ``local_data_parallel_size > 1`` is refused.
+* ``is_server=True`` hosts one ``EngineCacheQueueServer``, one ``TaskTracker`` and the engine's
+  ``Supervisor`` (deadlines, pumping, CTM deaths through pidfds on the pids the ranks announce when
+  they join); ``is_server=False`` is a handle on the server of that port in this process.
+  ``local_data_parallel_size > 1`` is refused.  FastDeploy's task tuples are parsed in
+  ``fastdeploy_tasks``.
 * Secret: ``sha256(b"ctm-queue-secret\\0" + authkey)``, random (with a warning) for FastDeploy's
   public default; exported as ``CTM_QUEUE_SECRET`` for the CTMs the engine launches.
 * Done signals are FastDeploy's tuples as its CTMs send them (a read's once per rank), queued only
@@ -13,11 +15,9 @@ HMAC frames; never pickle).  The contract is in README.md, "Adopting from FastDe
 from __future__ import annotations
 
 import collections
-import enum
 import hashlib
 import logging
 import os
-import select
 import threading
 import time
 import weakref
@@ -25,24 +25,19 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from cache_manager.queue import wire
-from cache_manager.cache_data import CacheStatus
-from cache_manager.cache_tasks import ReadStorageTask as OurReadStorageTask
 from cache_manager.queue.server import EngineCacheQueueServer
+from ops.procs import pid_alive
 
+from .fastdeploy_tasks import Entry, parse_transfer_task
+from .supervisor import Supervisor
 from .task_tracker import TaskTracker
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_AUTHKEY = b"cache_queue_service"  # FastDeploy's fixed default: public, so never a secret
 SECRET_CONTEXT = b"ctm-queue-secret\0"
-_TICK = 0.05  # deadlines and rank deaths are noticed within this
-_PUMP_EVERY = 1.0
 MAX_FAILED_KEPT = 10_000
-_SWAPS = (int(CacheStatus.SWAP2CPU), int(CacheStatus.SWAP2GPU))
-_STORAGE = (int(CacheStatus.GPU2STORAGE), int(CacheStatus.STORAGE2GPU))
 _servers: "weakref.WeakValueDictionary[int, _Core]" = weakref.WeakValueDictionary()  # port -> server here
 
 
@@ -56,39 +51,21 @@ def queue_secret(authkey: bytes | str) -> tuple[bytes, bool]:
     return hashlib.sha256(SECRET_CONTEXT + bytes(key)).digest(), True
 
 
-def _event(value: Any, where: str) -> tuple[int, Any]:
-    """(the event's int, the object to report it with): an enum member is kept, an int becomes ours."""
-    raw = value.value if isinstance(value, enum.Enum) else value
-    if isinstance(raw, bool) or not isinstance(raw, (int, np.integer)) or int(raw) not in _SWAPS + _STORAGE:
-        raise ValueError(f"{where}: event_type {value!r} is not SWAP2CPU, SWAP2GPU, GPU2STORAGE or STORAGE2GPU")
-    return int(raw), value if isinstance(value, enum.Enum) else CacheStatus(int(raw))
+@dataclass(frozen=True)
+class AnnouncedProcess:
+    """A CTM the engine knows by the pid it announced when it joined the queue (FastDeploy launches
+    its own CTMs): what the supervisor watches.  A zombie counts as gone."""
 
+    pid: int
 
-def _ids(value: Any, what: str) -> list[int]:
-    value = value.tolist() if isinstance(value, np.ndarray) else value
-    if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{what} must be a list of block ids, got {type(value).__name__}")
-    out = []
-    for v in value:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-            raise ValueError(f"{what}: {v!r} is not a non-negative integer")
-        out.append(int(v))
-    return out
-
-
-def _task_id(value: Any, what: str) -> str:
-    if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
-        raise ValueError(f"{what} {value!r} must be a non-empty string or an integer")
-    return str(value)
-
-
-@dataclass
-class _Entry:  # what the engine gave, to build its done signal from
-    task_id: Any
-    event: Any
-    kind: str  # "swap", "read", "write"
-    report: tuple  # swap: (swap_node_ids, gpu, cpu); storage: (keys,)
-    cleared: bool = False
+    def alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        except OSError:  # no /proc here: whether the pid exists
+            return pid_alive(self.pid)
 
 
 class _Core:
@@ -99,23 +76,23 @@ class _Core:
         self.tp, self.secret = num_client, secret
         self.task_timeout, self.storage_grace, self.ready_timeout = task_timeout, storage_grace, ready_timeout
         self.lock = threading.Lock()
-        self.inflight: dict[str, _Entry] = {}  # wire id -> entry, until resolved and released
+        self.inflight: dict[str, Entry] = {}  # wire id -> entry, until resolved and released
         self.done: collections.deque = collections.deque()
         self.failed: collections.OrderedDict[Any, str] = collections.OrderedDict()
-        self.supervisor_errors, self._all_joined, self._closed = 0, False, False
+        self._all_joined, self._closed = False, False
         self._join_deadline: float | None = None
-        self._new_ranks: list[tuple[int, int]] = []
-        self._pidfds: dict[int, tuple[int, int]] = {}  # fd -> (rank, pid); supervisor thread only
-        self._stop = threading.Event()
-        self.tracker = TaskTracker(num_client)
+        self._joined_ranks: dict[int, AnnouncedProcess] = {}  # rank -> the process that joined last
+        self.tracker = TaskTracker(num_client, on_sooner_deadline=lambda: self._supervisor.ring())
+        # deadlines, the queue's pump and CTM deaths, like the service's
+        self._supervisor = Supervisor(self._joined_processes, self.tracker, self._pump, self._rank_gone,
+                                      name="fd-cache-queue-supervisor")
         self.server = EngineCacheQueueServer(num_client, secret, host=host, port=port,
                                              on_result=self.tracker.on_result, on_rank_joined=self._joined)
-        self._thread = threading.Thread(target=self._supervise, name="fd-cache-queue-supervisor", daemon=True)
-        self._thread.start()
+        self._supervisor.start()
 
     # -- submission -------------------------------------------------------------
     def submit(self, item: Any) -> None:
-        wire_task, entry, timeout, grace = self._parse(item)
+        wire_task, entry, timeout, grace = parse_transfer_task(item, self.task_timeout, self.storage_grace)
         if self._closed:
             raise RuntimeError("the EngineCacheQueue is closed")
         if not self._all_joined:  # CTMs set swap_space_ready a moment before they join: wait, once, bounded
@@ -142,71 +119,6 @@ class _Core:
             unreachable = self.server.broadcast(task)
             if unreachable:
                 self.tracker.unreachable(wid, unreachable)
-
-    def _parse(self, item: Any) -> tuple[dict, _Entry, float, float]:
-        if not isinstance(item, (tuple, list)) or len(item) not in (2, 5):
-            raise ValueError(f"a transfer task is a 5-tuple (swap, or legacy storage) or a 2-tuple "
-                             f"(event_type, storage task), got {type(item).__name__} of length "
-                             f"{len(item) if isinstance(item, (tuple, list)) else '-'}")
-        event, report_event = _event(item[0], "transfer task")
-        if len(item) == 5 and event in _SWAPS:
-            _, tid, nodes, gpu, cpu = item
-            gpu, cpu = _ids(gpu, "gpu_block_ids"), _ids(cpu, "cpu_block_ids")
-            if len(gpu) != len(cpu):
-                raise ValueError(f"swap task: {len(gpu)} gpu_block_ids but {len(cpu)} cpu_block_ids")
-            if not isinstance(nodes, (list, tuple, np.ndarray)):
-                raise ValueError(f"swap_node_ids must be a list, got {type(nodes).__name__}")
-            nodes = list(nodes)  # opaque to the CTMs (FastDeploy's may hold None): echoed from here
-            wire_task = {"event_type": event, "task_id": _task_id(tid, "transfer_task_id"), "swap_node_ids": [],
-                         "gpu_block_ids": gpu, "cpu_block_ids": cpu}
-            return wire_task, _Entry(tid, report_event, "swap", (nodes, gpu, cpu)), self.task_timeout, 0.0
-        if len(item) == 5:  # FastDeploy before ReadStorageTask: (event, task_id, keys, gpu_block_ids, timeout)
-            _, tid, keys, gpu, timeout = item
-            fields = {"task_id": tid, "keys": keys, "token_ids": None, "gpu_block_ids": gpu, "timeout": timeout,
-                      "start_read_block_idx": 0}
-        elif event in _STORAGE:
-            names = ("task_id", "keys", "token_ids", "gpu_block_ids", "timeout") + \
-                (("start_read_block_idx",) if event == CacheStatus.STORAGE2GPU else ())
-            missing = [n for n in names if not hasattr(item[1], n)]
-            if missing:
-                raise ValueError(f"storage task {type(item[1]).__name__} has no attribute(s) {missing}")
-            fields = {n: getattr(item[1], n) for n in names}
-        else:
-            raise ValueError(f"a swap task is a 5-tuple (event_type, transfer_task_id, swap_node_ids, "
-                             f"gpu_block_ids, cpu_block_ids), got a {len(item)}-tuple")
-        return self._storage(event, report_event, fields, isinstance(item[1], OurReadStorageTask))
-
-    def _storage(self, event: int, report_event: Any, f: dict, ours: bool) -> tuple[dict, _Entry, float, float]:
-        keys = f["keys"]
-        if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) and k for k in keys):
-            raise ValueError("storage task keys must be a list of non-empty strings (block hashes)")
-        keys = list(keys)
-        gpu = _ids(f["gpu_block_ids"], "gpu_block_ids")
-        tokens = _ids(f["token_ids"] if f["token_ids"] is not None else [], "token_ids")
-        timeout = f["timeout"]
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e6:
-            raise ValueError(f"storage task timeout {timeout!r} must be a positive number of seconds")
-        wire_task = {"event_type": event, "task_id": _task_id(f["task_id"], "task_id"), "token_ids": tokens,
-                     "timeout": float(timeout)}
-        if event == CacheStatus.GPU2STORAGE:
-            if len(keys) != len(gpu):
-                raise ValueError(f"write task: {len(keys)} keys but {len(gpu)} gpu_block_ids")
-            wire_task.update(keys=keys, gpu_block_ids=gpu)
-        else:
-            start = f["start_read_block_idx"]
-            if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-                raise ValueError(f"start_read_block_idx {start!r} must be a non-negative integer")
-            if ours:  # our ReadStorageTask: keys is the whole chain, loaded from keys[start:]
-                if len(gpu) != len(keys) - start:
-                    raise ValueError(f"read task: {len(keys) - start} keys from {start} on, {len(gpu)} gpu_block_ids")
-                wire_task.update(keys=keys, gpu_block_ids=gpu, start_read_block_idx=start)
-            else:  # FastDeploy's: keys[i] loads into gpu_block_ids[i] (which may hold one more, a partial
-                # block); start is where keys[0] sits in the request, for token-addressed stores.
-                if len(gpu) < len(keys):
-                    raise ValueError(f"read task: {len(keys)} keys but only {len(gpu)} gpu_block_ids")
-                wire_task.update(keys=[""] * start + keys, gpu_block_ids=gpu[:len(keys)], start_read_block_idx=start)
-        kind = "read" if event == CacheStatus.STORAGE2GPU else "write"
-        return wire_task, _Entry(f["task_id"], report_event, kind, (keys,)), float(timeout), self.storage_grace
 
     # -- completion (runs on whichever thread resolves the future) ----------------
     def _settle(self, wid: str, future: Future) -> None:
@@ -254,49 +166,51 @@ class _Core:
         return True
 
     def _joined(self, rank: int, pid: int) -> None:  # queue I/O thread: must not block
-        self.tracker.mark_up(rank)
         with self.lock:
-            self._new_ranks.append((rank, pid))
+            self._joined_ranks[rank] = AnnouncedProcess(pid)
+        self.tracker.mark_up(rank)  # after the new pid is known: the old process's death is not this one's
+        self._supervisor.ring()  # watch it at once
 
-    def _supervise(self) -> None:
-        last_pump = 0.0
-        while not self._stop.is_set():
-            try:
-                fds = list(self._pidfds)
-                gone = select.select(fds, [], [], _TICK)[0] if fds else []
-                if not fds:
-                    self._stop.wait(_TICK)
-                self._ranks_gone(gone)
-                self._watch_new_ranks()
-                now = time.monotonic()
-                if now - last_pump >= _PUMP_EVERY:
-                    self.server.pump()  # registers task connections of ranks that joined
-                    last_pump = now
-                self.tracker.expire(now)
-            except Exception:  # deadlines must outlive one bad iteration
-                self.supervisor_errors += 1
-                logger.exception("EngineCacheQueue supervisor iteration failed; supervising on")
-                self._stop.wait(_TICK)
-
-    def _ranks_gone(self, fds: list[int]) -> None:
-        for fd in fds:
-            rank, pid = self._pidfds.pop(fd)
-            os.close(fd)
-            logger.error("CTM rank %d (pid %d) exited; failing its tasks until it rejoins", rank, pid)
-            self.server.forget_rank(rank)
-            self.tracker.rank_died(rank, f"(pid {pid}) exited")
-
-    def _watch_new_ranks(self) -> None:
+    def _joined_processes(self) -> dict[int, AnnouncedProcess]:
         with self.lock:
-            new, self._new_ranks = self._new_ranks, []
-        for rank, pid in new:
-            for fd in [fd for fd, (r, _) in self._pidfds.items() if r == rank]:
-                os.close(fd)
-                del self._pidfds[fd]
-            try:
-                self._pidfds[os.pidfd_open(pid)] = (rank, pid)
-            except (AttributeError, OSError) as exc:  # no pidfds here, or already gone
-                logger.warning("cannot watch CTM rank %d (pid %d): %s", rank, pid, exc)
+            return dict(self._joined_ranks)
+
+    def _pump(self) -> None:
+        self.server.pump()  # registers task connections of ranks that joined
+
+    def _rank_gone(self, rank: int, proc: AnnouncedProcess) -> None:
+        logger.error("CTM rank %d (pid %d) exited; failing its tasks until it rejoins", rank, proc.pid)
+        self.server.forget_rank(rank)
+        self.tracker.rank_died(rank, f"(pid {proc.pid}) exited")
+
+    @property
+    def supervisor_errors(self) -> int:
+        """Iterations of the supervisor that raised and were survived."""
+        return self._supervisor.errors
+
+    # -- what the engine reads ------------------------------------------------------
+    def next_done(self) -> Any:
+        with self.lock:
+            return self.done.popleft() if self.done else None
+
+    def idle(self) -> bool:
+        with self.lock:
+            return not self.inflight
+
+    def no_done(self) -> bool:
+        with self.lock:
+            return not self.done
+
+    def forget_inflight(self) -> int:
+        """Forget every task in flight (its done signal is dropped); returns how many."""
+        with self.lock:
+            for entry in self.inflight.values():
+                entry.forget()
+            return len(self.inflight)
+
+    def failed_tasks(self) -> dict[Any, str]:
+        with self.lock:
+            return dict(self.failed)
 
     def close(self) -> None:
         with self.lock:
@@ -304,14 +218,10 @@ class _Core:
                 return
             self._closed = True
             for entry in self.inflight.values():
-                entry.cleared = True  # nobody reads signals any more
-        self._stop.set()
-        self._thread.join(5.0)
+                entry.forget()  # nobody reads signals any more
+        self._supervisor.stop(5.0)
         self.tracker.close()
         self.server.close()
-        if not self._thread.is_alive():
-            for fd in self._pidfds:
-                os.close(fd)
         logger.info("EngineCacheQueue on port %d closed", self.server.port)
 
 
@@ -366,28 +276,22 @@ class EngineCacheQueue:
 
     def get_transfer_done_signal(self) -> Any:
         """The oldest done signal (FastDeploy's tuple), or None; never blocks."""
-        with self._core.lock:
-            return self._core.done.popleft() if self._core.done else None
+        return self._core.next_done()
 
     def empty(self) -> bool:
         """True when no task is in flight: none waits for a rank's answer or for its blocks' release."""
-        with self._core.lock:
-            return not self._core.inflight
+        return self._core.idle()
 
     def result_queue_empty(self) -> bool:
         """True when no done signal waits to be read."""
-        with self._core.lock:
-            return not self._core.done
+        return self._core.no_done()
 
     def clear_transfer_task(self) -> None:
         """Forget every task in flight: tasks already sent cannot be recalled, so they run (or expire) on
         the ranks, but their done signals are never delivered, and ``empty()`` stays False until every
         rank let go of their blocks: an engine that waits for ``empty()`` before reusing blocks is safe.
         Done signals already queued stay; later tasks are unaffected."""
-        with self._core.lock:
-            for entry in self._core.inflight.values():
-                entry.cleared = True
-            n = len(self._core.inflight)
+        n = self._core.forget_inflight()
         logger.info("clear_transfer_task: %d task(s) in flight forgotten", n)
 
     def get_server_port(self) -> int:
@@ -399,8 +303,7 @@ class EngineCacheQueue:
     # -- ours -----------------------------------------------------------------------------
     def failed_tasks(self) -> dict[Any, str]:
         """Swap tasks that failed, timed out or lost a rank (never reported done): task id -> reason."""
-        with self._core.lock:
-            return dict(self._core.failed)
+        return self._core.failed_tasks()
 
     def secret_env(self) -> dict[str, str]:
         """The environment a CTM needs to authenticate to this queue."""

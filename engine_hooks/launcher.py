@@ -4,13 +4,31 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+from .errors import StartupError
 
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` right now (for the engine_worker_queue_port, the signals' suffix)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def default_log_dir() -> str:
+    """Where CTM logs go unless told otherwise: ``$CTM_LOG_DIR``, else ``./log`` (as FastDeploy's ``log/``)."""
+    return os.path.abspath(os.environ.get("CTM_LOG_DIR") or "log")
 
 
 def ctm_log_path(log_dir: str, rank: int) -> str:
@@ -42,6 +60,11 @@ class RankProcess:
 
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    def exit_detail(self) -> str:
+        """How it ended: ``signal N`` or ``exit code N`` (``exit code None`` while it runs)."""
+        code = self.popen.poll()
+        return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
     def describe_failure(self) -> str:
         code = self.popen.poll()
@@ -78,3 +101,56 @@ def launch(rank: int, flags: dict[str, object], log_dir: str, env: dict[str, str
     logger.info("launched rank %d as pid %d", rank, popen.pid)
     return RankProcess(rank, popen, ctm_log_path(log_dir, rank), stderr_path)
 
+
+
+class RankProcesses:
+    """The current CTM process of every rank, started by ``start(rank)`` (with the flags and environment
+    the owner gives for that rank) and stopped by ``stop`` or ``stop_all``."""
+
+    def __init__(self, flags: Callable[[int], dict[str, object]], log_dir: str, env: Callable[[], dict[str, str]]):
+        self._flags = flags
+        self._log_dir = log_dir
+        self._env = env
+        self._procs: dict[int, RankProcess] = {}
+
+    def start(self, rank: int) -> RankProcess:
+        self._procs[rank] = launch(rank, self._flags(rank), self._log_dir, self._env())
+        return self._procs[rank]
+
+    def stop(self, rank: int, grace: float) -> None:
+        proc = self._procs.get(rank)
+        if proc is not None:
+            proc.stop(grace)
+
+    def stop_all(self, grace: float) -> None:
+        for proc in self._procs.values():
+            proc.stop(grace)
+
+    def wait_ready(self, ranks: list[int], ready: Callable[[int], bool], timeout: float) -> None:
+        """Wait until ``ready(rank)`` for every rank of ``ranks``; ``StartupError`` names a rank that
+        died meanwhile, or those still not ready after ``timeout`` seconds, with their logs' tails."""
+        deadline = time.monotonic() + timeout
+        waiting = set(ranks)
+        while waiting:
+            for rank in sorted(waiting):
+                proc = self._procs[rank]
+                if ready(rank):
+                    waiting.discard(rank)
+                elif not proc.alive():
+                    raise StartupError(f"CTM {proc.describe_failure()}")
+            if waiting and time.monotonic() > deadline:
+                details = "\n".join(self._procs[r].describe_failure() for r in sorted(waiting))
+                raise StartupError(f"ranks {sorted(waiting)} not ready within {timeout:g}s:\n{details}")
+            if waiting:
+                time.sleep(0.02)
+
+    def current(self) -> Mapping[int, RankProcess]:
+        """Rank -> its current process, read-only (a restart replaces one)."""
+        return MappingProxyType(self._procs)
+
+    def failures(self) -> dict[int, str]:
+        """The ranks whose process is dead -> what happened, with its log's tail."""
+        return {rank: proc.describe_failure() for rank, proc in list(self._procs.items()) if not proc.alive()}
+
+    def pids(self) -> dict[int, int]:
+        return {rank: proc.pid for rank, proc in self._procs.items()}

@@ -77,6 +77,16 @@ class LayerwiseTasks:
         future.released.add_done_callback(lambda _: self._free_slot(ref.slot))  # type: ignore[attr-defined]
         return future
 
+    def submit(self, task: dict, timeout: float, await_compute: bool, layers: int,
+               send: Callable[[dict], Future]) -> Future:
+        """Send ``task`` (which has its ``task_id``) layer-wise through ``send``, which stamps the
+        ranks' deadline ``timeout`` seconds on; returns its future with the layer methods bound."""
+        ref = self.acquire(await_compute)
+        if ref is not None:
+            task["layerwise"] = ref.to_wire()
+        deadline = time.monotonic() + timeout  # at or before the one send() stamps on the ranks' copy
+        return self.bind(send(task), task["task_id"], deadline, ref, layers)
+
     def close(self) -> None:
         self.board.close()
 

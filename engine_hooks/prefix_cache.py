@@ -10,12 +10,10 @@ service; this class only decides what moves.
 * **Host tier**: ``num_host_blocks`` slots of the CTMs' swap space, with its own LRU.  An
   evicted device block is swapped out to host while the host tier has slots (the host LRU
   gives up its oldest entry when full), otherwise dropped.
-* **Storage tier**, by ``write_policy`` (details in ``engine_hooks.write_policy``): ``write_through``
-  at request end; ``write_through_selective`` once hit ``write_threshold`` times; ``write_back``
-  when a block leaves the last tier above storage: dropped from device, from its own block before
-  reuse; given up by the host LRU, swapped into a kept-apart *bounce block* and written from there
-  once that swap-in succeeded and was released; ``none`` never.  A write keeps the blocks it reads
-  pinned until it completes *and* is released, so no write reads a reused block or wrong bytes.
+* **Storage tier**, by ``write_policy`` (``write_through``, ``write_through_selective``,
+  ``write_back`` through kept-apart *bounce blocks*, or ``none``; see ``engine_hooks.write_policy``).
+  A write keeps the blocks it reads pinned until it completes *and* is released, so no write reads
+  a reused block or wrong bytes.
 
 ``acquire(hashes)`` walks the prefix: device hits are pinned in place; host hits are swapped
 in; the rest is offered to storage, which loads the leading run it has into newly allocated
@@ -23,14 +21,10 @@ blocks.  Anything not loaded, or whose load failed, is a miss the caller must co
 failed load falls back to recompute, never to wrong data.  ``commit`` registers the request's
 blocks, ``release`` submits the policy's writes and unpins them.
 
-**Late tasks** (DESIGN §3.8, two-phase completion).  A task that failed or timed out may still
-be acted on by a rank (a stalled rank, a storage call that outlived its deadline) until the
-service resolves ``future.released``.  Until then its blocks stay *quarantined*: not free, in no
-LRU, not in any lease.  That covers the host slots a failed swap-out was filling, the device
-blocks a failed swap-in or storage read was loading into (the request gets fresh blocks to
-compute into instead), the host slots a failed swap-in was reading, and the blocks of a failed
-write (which simply stay pinned until released).  Released blocks go back to the free
-lists on the next allocation, ``reap()`` or ``drain()``.
+**Late tasks** (DESIGN §3.8, ``engine_hooks.late_tasks``).  Until a failed or timed-out task's
+``future.released`` resolves, the device blocks and host slots it may still touch are *quarantined*:
+not free, in no LRU, in no lease (a failed load's request gets fresh blocks to compute into; a failed
+write's blocks simply stay pinned).  Released ones return on the next allocation, ``reap()`` or ``drain()``.
 
 **Accounting from facts.**  ``TierStats`` counts what the ranks report: blocks from the futures'
 results, bytes from each rank's ``RankResult.bytes_moved`` summed over ranks.
@@ -42,54 +36,20 @@ import concurrent.futures
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
-from .late_tasks import Quarantine, bytes_moved, outcome, released_of
-from .write_policy import WRITE_POLICIES, WritePolicyMixin, _Write, bounce_blocks_for, check_write_policy
+from .host_tier import HostTier
+from .late_tasks import Quarantine, bytes_moved, outcome
+from .tiers import TIERS, CapacityError, Lease, TierStats
+from .storage_writes import StorageWrite, StorageWrites
+from .write_policy import WRITE_POLICIES, WritePolicyMixin, bounce_blocks_for, check_write_policy
 
 if TYPE_CHECKING:
     from .service import CacheTransferService
 
 logger = logging.getLogger(__name__)
 
-TIERS = ("device", "host", "storage", "miss")
 __all__ = ["TIERS", "WRITE_POLICIES", "CapacityError", "Lease", "TierStats", "TieredPrefixCache"]
-
-
-class CapacityError(ValueError):
-    """A request needs more device blocks than the pool can ever free for it."""
-
-
-@dataclass
-class Lease:
-    """One request's blocks: the device block and where its contents came from, per position."""
-
-    hashes: list[str]
-    gpu_blocks: list[int]
-    sources: list[str]
-
-    def positions(self, tier: str) -> list[int]:
-        return [i for i, s in enumerate(self.sources) if s == tier]
-
-
-@dataclass
-class TierStats:
-    """Blocks and bytes that actually moved, as the ranks reported them."""
-
-    swap_out_blocks: int = 0  # device -> host, tasks that succeeded on every rank
-    swap_in_blocks: int = 0  # host -> device, likewise
-    storage_write_blocks: int = 0  # blocks newly in storage, from the write futures' results
-    storage_read_blocks: int = 0  # blocks loaded from storage, from the read futures' results
-    failed_loads: int = 0  # swap-in blocks that failed, plus failed storage read tasks
-    dropped_blocks: int = 0  # evicted device blocks that did not reach the host tier
-    # bytes per direction: sum over ranks of RankResult.bytes_moved (failed tasks' partial moves too)
-    bytes_d2h: int = 0
-    bytes_h2d: int = 0
-    bytes_to_storage: int = 0
-    bytes_from_storage: int = 0
-    quarantined_blocks: int = 0  # device blocks ever held back for a late task
-    quarantined_slots: int = 0  # host slots ever held back for a late task
 
 
 class TieredPrefixCache(WritePolicyMixin):
@@ -120,10 +80,9 @@ class TieredPrefixCache(WritePolicyMixin):
         self._dev_hash: dict[int, str] = {}
         self._refs: collections.Counter = collections.Counter()
         self._dev_lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unpinned
-        self._host_free: collections.deque[int] = collections.deque(range(num_host_blocks))
-        self._host: collections.OrderedDict[str, int] = collections.OrderedDict()  # hash -> slot, LRU order
+        self._host = HostTier(num_host_blocks)
         self._stored: set[str] = set()  # hashes this engine knows are in storage
-        self._writes: list[_Write] = []
+        self._writes = StorageWrites()
         self._quarantine = Quarantine()
         self.stats = TierStats()
         self._init_write_policy(write_policy, write_threshold, range(num_device_blocks - bounce_blocks,
@@ -154,7 +113,7 @@ class TieredPrefixCache(WritePolicyMixin):
         if not self._quarantine.hold(future, blocks, slots, what):
             for block in blocks:  # released already: nothing can touch them any more
                 self._free_block(block)
-            self._host_free.extend(slots)
+            self._host.free(slots)
         self.stats.quarantined_blocks = self._quarantine.blocks_held
         self.stats.quarantined_slots = self._quarantine.slots_held
 
@@ -164,14 +123,9 @@ class TieredPrefixCache(WritePolicyMixin):
         blocks, slots = self._quarantine.reap()
         for block in blocks:
             self._free_block(block)
-        self._host_free.extend(slots)
-        keep = []
-        for w in self._writes:
-            if w.future.done() and released_of(w.future).done():
-                self._finish_write(w)
-            else:
-                keep.append(w)
-        self._writes = keep
+        self._host.free(slots)
+        for w in self._writes.take_over():
+            self._finish_write(w)
 
     def reap_writes(self, wait: bool = False) -> None:
         """``reap()``; with ``wait``, first wait (bounded by ``release_wait``) for every storage write
@@ -187,9 +141,7 @@ class TieredPrefixCache(WritePolicyMixin):
             self.reap()
             if until():
                 return True
-            waiting = self._quarantine.pending()
-            waiting += [w.future if not w.future.done() else released_of(w.future) for w in self._writes]
-            waiting = [f for f in waiting if not f.done()]
+            waiting = self._quarantine.pending() + self._writes.pending()
             remaining = deadline - time.monotonic()
             if not waiting or remaining <= 0:
                 return until()
@@ -225,7 +177,7 @@ class TieredPrefixCache(WritePolicyMixin):
                 # write_back: dropped blocks are usable once their writes are done and released; a
                 # store that does not answer stops the allocation rather than evict the whole LRU
                 if writes and not self._settle(self.release_wait,
-                                               lambda: not any(w is x for w in writes for x in self._writes)):
+                                               lambda: not self._writes.includes_any(writes)):
                     self._dev_free.extend(out)
                     raise self._capacity_error(n, f"write-backs of {sum(len(w.blocks) for w in writes)} evicted "
                                                   f"blocks not released after {self.release_wait:.1f}s")
@@ -240,7 +192,7 @@ class TieredPrefixCache(WritePolicyMixin):
             f"({counts['pinned']} pinned, {counts['writing']} of them by storage writes in flight; "
             f"{counts['quarantined']} quarantined until late tasks release them)")
 
-    def _evict(self, n: int) -> tuple[list[int], list[_Write]]:
+    def _evict(self, n: int) -> tuple[list[int], list[StorageWrite]]:
         """Evict the ``n`` least recently used cached blocks, swapping them out to host if it has room
         (the host LRU gives up its oldest entries).  Returns the blocks usable now, and the write-backs
         that pin the others (write_back: a dropped block is written first)."""
@@ -251,7 +203,7 @@ class TieredPrefixCache(WritePolicyMixin):
         to_host = []
         for block, h in zip(victims, hashes):
             if h in self._host:
-                self._host.move_to_end(h)
+                self._host.touch(h)
             else:
                 to_host.append((block, h))
         slots = self._host_slots(len(to_host))
@@ -263,7 +215,7 @@ class TieredPrefixCache(WritePolicyMixin):
             self.stats.bytes_d2h += bytes_moved(future)
             if ok:
                 for (_, h), slot in zip(out, slots):
-                    self._host[h] = slot
+                    self._host.add(h, slot)
                 self.stats.swap_out_blocks += len(out_gpu)
             else:  # the blocks are dropped, not lost: storage or recompute has them
                 logger.warning("swap-out of %d blocks failed (%s); dropping them", len(out_gpu),
@@ -280,8 +232,8 @@ class TieredPrefixCache(WritePolicyMixin):
 
     def _host_slots(self, n: int) -> list[int]:
         """Up to ``n`` host slots: free ones, then those the host LRU gives up (oldest first)."""
-        slots = [self._host_free.popleft() for _ in range(min(n, len(self._host_free)))]
-        evicted = [self._host.popitem(last=False) for _ in range(min(n - len(slots), len(self._host)))]
+        slots = self._host.take_free(n)
+        evicted = self._host.evict_oldest(n - len(slots))
         return slots + self._leave_host(evicted) if evicted else slots
 
     # ------------------------------------------------------------------ requests
@@ -307,11 +259,11 @@ class TieredPrefixCache(WritePolicyMixin):
         first_uncached = len(sources)
         # Hold the host hits out of the host LRU: evictions made to free device blocks for this
         # very request must not give their slots away.
-        held = {hashes[i]: self._host.pop(hashes[i]) for i in host_pos}
+        held = self._host.hold(hashes[i] for i in host_pos)
         try:
             fresh = self._allocate(len(host_pos) + n - first_uncached)
         except CapacityError:
-            self._host.update(held)
+            self._host.put_back(held)
             for i, s in enumerate(sources):
                 if s == "device":
                     self._unpin(gpu[i])
@@ -326,13 +278,13 @@ class TieredPrefixCache(WritePolicyMixin):
         lease = Lease(hashes, gpu, sources)
         try:
             load_from = self._swap_in(lease, host_pos, first_uncached, held)
-            self._host.update(held)  # the host copies stay valid: back in the LRU, most recent
+            self._host.put_back(held)  # the host copies stay valid: back in the LRU, most recent
             held = {}
             if self.use_storage and load_from < n:
                 self._read_storage(lease, load_from)
         except CapacityError:
             # No fresh blocks for what a failed load left quarantined: give the request up whole.
-            self._host.update(held)
+            self._host.put_back(held)
             for block in lease.gpu_blocks:
                 if block >= 0:
                     self._unpin(block)
@@ -420,15 +372,11 @@ class TieredPrefixCache(WritePolicyMixin):
         return self._dev_by_hash.get(block_hash)
 
     def host_slot_of(self, block_hash: str) -> int | None:
-        return self._host.get(block_hash)
+        return self._host.slot_of(block_hash)
 
     def quarantined(self) -> tuple[set[int], set[int]]:
         """(device blocks, host slots) held back for late tasks right now."""
         return self._quarantine.blocks(), self._quarantine.slots()
-
-    def writes_in_flight(self) -> list[tuple[Future, list[int]]]:
-        """(future, device blocks) of every storage write not yet reaped."""
-        return [(w.future, list(w.blocks)) for w in self._writes]
 
     def block_counts(self) -> dict[str, int]:
         """Where every device block is: free, cached (unpinned, in the LRU), pinned, quarantined, or an
@@ -437,8 +385,8 @@ class TieredPrefixCache(WritePolicyMixin):
         quarantined = len(self._quarantine.blocks())
         return {"free": len(self._dev_free), "cached": len(self._dev_lru), "pinned": len(self._refs),
                 "quarantined": quarantined, "bounce": len(self._bounce_free),
-                "writing": len({b for w in self._writes for b in w.blocks}),
-                "host_free": len(self._host_free), "host_cached": len(self._host),
+                "writing": len(self._writes.blocks()),
+                "host_free": self._host.free_count(), "host_cached": self._host.cached_count(),
                 "host_quarantined": len(self._quarantine.slots())}
 
     def forget_all(self, timeout: float = 60.0) -> None:
@@ -453,7 +401,6 @@ class TieredPrefixCache(WritePolicyMixin):
         self._dev_lru.clear()
         self._dev_by_hash.clear()
         self._dev_hash.clear()
-        self._host_free.extend(self._host.values())
         self._host.clear()
         self._stored.clear()  # the storage namespace changed with the weights
         self._hits.clear()
@@ -461,8 +408,7 @@ class TieredPrefixCache(WritePolicyMixin):
     def drop_host_tier(self) -> None:
         """Forget every host copy (after ``svc.restart_rank``: the new rank's swap space is empty;
         under write_back, what only the host held is lost, never written)."""
-        for h in self._host:
+        for h in self._host.hashes():
             if h not in self._dev_by_hash:
                 self._forget(h)
-        self._host_free.extend(self._host.values())
         self._host.clear()

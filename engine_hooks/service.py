@@ -37,68 +37,30 @@ import atexit
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Sequence
-
-import numpy as np
+from typing import Any, Mapping, Sequence
 
 import ops
 from cache_manager.queue import wire
-from cache_manager.cache_data import (
-    CACHE_READY_SIGNAL,
-    CACHE_TRANSFER_INITED_SIGNAL,
-    KV_CACHE_STATUS_SIGNAL,
-    SWAP_SPACE_READY_SIGNAL,
-    WORKER_HEALTHY_LIVE_SIGNAL,
-    CacheStatus,
-    KVCacheStatus,
-)
-from cache_manager.queue.server import EngineCacheQueueServer
+from cache_manager.cache_data import CacheStatus, KVCacheStatus
 from cache_manager.ipc_signal import IPCSignal
-from ops.layout import plain_int_list
+from cache_manager.queue.server import EngineCacheQueueServer
+from transfer_factory.keys import Namespace
 
+from . import kv_cache_control
 from .device_caches import CacheSpec, DeviceCaches
-from .errors import CachesClearedError, ServiceClosed, StartupError
-from .launcher import RankProcess, launch
+from .engine_resources import EngineResources
+from .errors import CachesClearedError, ServiceClosed
+from .launcher import RankProcess, RankProcesses, default_log_dir, free_port
 from .layerwise import LayerwiseTasks
 from .metrics import CacheMetrics
 from .supervisor import Supervisor
 from .task_tracker import TaskFuture, TaskTracker
-
-if TYPE_CHECKING:
-    from transfer_factory.keys import Namespace
+from .wire_tasks import storage_task, swap_task
 
 logger = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _id_list(ids: Any, what: str) -> list[int]:
-    """Block ids as plain ints for the wire; a float or other non-integer is refused here."""
-    if plain_int_list(ids):
-        return list(ids)
-    if isinstance(ids, np.ndarray):
-        if ids.dtype.kind not in "iu":
-            raise ValueError(f"{what} must hold integers, got dtype {ids.dtype}")
-        return ids.astype(np.int64).tolist()
-    out = []
-    for v in ids:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise ValueError(f"{what}: block id {v!r} is not an integer")
-        out.append(int(v))
-    return out
-
-
-def default_log_dir() -> str:
-    """Where CTM logs go unless told otherwise: ``$CTM_LOG_DIR``, else ``./log`` (as FastDeploy's ``log/``)."""
-    return os.path.abspath(os.environ.get("CTM_LOG_DIR") or "log")
 
 
 class CacheTransferService:
@@ -159,28 +121,28 @@ class CacheTransferService:
         self.storage_options = dict(storage_options or {})
         self.storage_transfer = storage_transfer
         self.model_id = model_id
-        self.model_version = model_version
         self.extra_flags = dict(extra_flags or {})
         self.extra_env = dict(extra_env or {})
         self.log_dir = os.path.abspath(log_dir) if log_dir else default_log_dir()
         self.instance = str(self.port)
 
         self.platform = ops.get_platform(platform, instance=self.instance)
-        self.caches: DeviceCaches | None = None
-        self.signals: dict[str, IPCSignal] = {}
+        # the device caches, the IPC signals and the model version, shared with the CTMs
+        self.resources = EngineResources(self.platform, spec, tp, self.device_ids, self.port, model_id, model_version)
         self.layerwise: LayerwiseTasks | None = None  # the progress board of layer-wise tasks
         self.server: EngineCacheQueueServer | None = None
-        self.procs: dict[int, RankProcess] = {}
         self._secret = wire.new_secret()
-        self.tracker = TaskTracker(tp, record_latencies)  # every task in flight, its future and its release
+        self._ranks = RankProcesses(self.ctm_flags, self.log_dir, lambda: {wire.SECRET_ENV: self._secret.hex(),
+                                                                           **self.extra_env})
+        # every task in flight, its future and its release
+        self.tracker = TaskTracker(tp, record_latencies, on_sooner_deadline=lambda: self._supervisor.ring())
         self.metrics = CacheMetrics()  # counted from the ranks' results; served only with metrics_port
         self.metrics.attach(self.tracker, backend=storage_backend)
         if metrics_port is not None and not (isinstance(metrics_port, int) and 0 <= metrics_port < 65536):
             raise ValueError(f"metrics_port {metrics_port!r} must be a port number (0 picks a free one)")
         self.metrics_port = metrics_port
         self._shutdown_lock = threading.Lock()
-        self._supervisor = Supervisor(lambda: self.procs, self.tracker, self._on_beat, self._rank_died)
-        self.tracker.on_sooner_deadline = self._supervisor.ring
+        self._supervisor = Supervisor(self._ranks.current, self.tracker, self._on_beat, self._rank_died)
         self._closed = False
         self._started = False
 
@@ -198,18 +160,15 @@ class CacheTransferService:
         self._started = True
         atexit.register(self.shutdown)
         try:
-            self._create_signals()
-            self.caches = DeviceCaches(self.platform, self.spec, self.tp, self.device_ids)
-            for rank in range(self.tp):
-                self.caches.create_rank(rank)
-                self.signals[CACHE_READY_SIGNAL].value[rank] = 1
+            self.layerwise = LayerwiseTasks(self.tp, suffix=self.port)
+            self.resources.create()
             self.server = EngineCacheQueueServer(self.tp, self._secret, host=self.pod_ip, port=self.cache_queue_port,
                                                  on_result=self.tracker.on_result)
             self.cache_queue_port = self.server.port
-            self._beat()
+            self.resources.beat()
             for rank in range(self.tp):
-                self.procs[rank] = self._launch(rank)
-            self._wait_ready(list(range(self.tp)))
+                self._ranks.start(rank)
+            self._ranks.wait_ready(list(range(self.tp)), self._rank_ready, self.ready_timeout)
             self._supervisor.start()
             if self.metrics_port is not None:
                 self.metrics_port = self.metrics.serve(self.metrics_port, host=self.pod_ip)
@@ -218,16 +177,6 @@ class CacheTransferService:
             raise
         logger.info("CTM service ready: tp=%d, queue %s", self.tp, self.server.address)
         return self
-
-    def _create_signals(self) -> None:
-        self.layerwise = LayerwiseTasks(self.tp, suffix=self.port)
-        zeros = np.zeros(self.tp, np.int32)
-        for name in (CACHE_READY_SIGNAL, SWAP_SPACE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL):
-            self.signals[name] = IPCSignal(name, zeros, suffix=self.port, create=True)
-        self.signals[WORKER_HEALTHY_LIVE_SIGNAL] = IPCSignal(WORKER_HEALTHY_LIVE_SIGNAL, np.zeros(1, np.int32),
-                                                             suffix=self.port, create=True)
-        self.signals[KV_CACHE_STATUS_SIGNAL] = IPCSignal(KV_CACHE_STATUS_SIGNAL, np.zeros(1, np.int32),
-                                                         suffix=self.port, create=True)
 
     def ctm_flags(self, rank: int) -> dict[str, object]:
         """The command-line flags of rank ``rank``'s CTM (FastDeploy's, plus the platform's)."""
@@ -242,7 +191,7 @@ class CacheTransferService:
             "engine_worker_queue_port": self.port, "num_cpu_blocks": self.num_cpu_blocks,
             "platform": self.platform_name, "log_dir": self.log_dir, "engine_pid": os.getpid(),
             "attach_timeout": self.ready_timeout, "kvcache_storage_backend": self.storage_backend,
-            "model_path": self.model_id, "model_version": self.model_version,
+            "model_path": self.model_id, "model_version": self.resources.model_version,
             "storage_transfer": self.storage_transfer,
         }
         if self.storage_options:
@@ -254,35 +203,8 @@ class CacheTransferService:
 
     def _rank_ready(self, rank: int) -> bool:
         """Registered with the queue (so this process got through its start, caches attached), and
-        serving: inited.  A rank restarted during an RL clear is ready too once it cleared itself
-        (``cache_transfer_inited`` and ``cache_ready`` back to 0, which it does within a
-        millisecond of its start: waiting for inited alone missed that window)."""
-        if rank not in self.server.registered_ranks():
-            return False
-        if self.signals[CACHE_TRANSFER_INITED_SIGNAL].value[rank] == 1:
-            return True
-        clearing = int(self.signals[KV_CACHE_STATUS_SIGNAL].value[0]) in (KVCacheStatus.CLEARING, KVCacheStatus.CLEARED)
-        return clearing and self.signals[CACHE_READY_SIGNAL].value[rank] == 0
-
-    def _launch(self, rank: int) -> RankProcess:
-        env = {wire.SECRET_ENV: self._secret.hex(), **self.extra_env}
-        return launch(rank, self.ctm_flags(rank), self.log_dir, env)
-
-    def _wait_ready(self, ranks: list[int]) -> None:
-        deadline = time.monotonic() + self.ready_timeout
-        waiting = set(ranks)
-        while waiting:
-            for rank in sorted(waiting):
-                proc = self.procs[rank]
-                if self._rank_ready(rank):
-                    waiting.discard(rank)
-                elif not proc.alive():
-                    raise StartupError(f"CTM {proc.describe_failure()}")
-            if waiting and time.monotonic() > deadline:
-                details = "\n".join(self.procs[r].describe_failure() for r in sorted(waiting))
-                raise StartupError(f"ranks {sorted(waiting)} not ready within {self.ready_timeout:g}s:\n{details}")
-            if waiting:
-                time.sleep(0.02)
+        serving (``EngineResources.rank_serving``: inited, or cleared itself during an RL clear)."""
+        return rank in self.server.registered_ranks() and self.resources.rank_serving(rank)
 
     # ------------------------------------------------------------------ tasks
     def submit(self, task: dict, timeout: float | None = None, grace: float = 0.0) -> Future:
@@ -296,11 +218,11 @@ class CacheTransferService:
             future = TaskFuture(released=True)
             future.set_exception(ServiceClosed("the CTM service is not running"))
             return future
-        if int(self.signals[KV_CACHE_STATUS_SIGNAL].value[0]) != KVCacheStatus.NORMAL:
+        status = self.resources.kv_cache_status()
+        if status != KVCacheStatus.NORMAL:
             future = TaskFuture(released=True)
-            future.set_exception(CachesClearedError(
-                f"the KV caches are cleared for a weight update (kv_cache_status "
-                f"{KVCacheStatus(int(self.signals[KV_CACHE_STATUS_SIGNAL].value[0])).name}): restore_caches() first"))
+            future.set_exception(CachesClearedError(f"the KV caches are cleared for a weight update (kv_cache_status "
+                                                    f"{status.name}): restore_caches() first"))
             return future
         task, future, send = self.tracker.begin(task, timeout, grace)
         if send:
@@ -309,26 +231,20 @@ class CacheTransferService:
                 self.tracker.unreachable(task["task_id"], unreachable)
         return future
 
-    def _swap(self, event: CacheStatus, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any,
-              timeout: float | None, layerwise: bool) -> Future:
-        gpu = _id_list(gpu_block_ids, "gpu_block_ids")
-        cpu = _id_list(cpu_block_ids, "cpu_block_ids")
-        nodes = _id_list(swap_node_ids if swap_node_ids is not None else [], "swap_node_ids")
-        task = {"event_type": int(event), "swap_node_ids": nodes, "gpu_block_ids": gpu, "cpu_block_ids": cpu}
-        return self._submit_maybe_layerwise(task, timeout, 0.0, layerwise, event == CacheStatus.SWAP2CPU)
-
     def swap_to_cpu(self, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any = None,
                     timeout: float | None = None, layerwise: bool = False) -> Future:
         """Copy device blocks to host swap space on every rank.  Result:
         ``(event_type, task_id, swap_node_ids, gpu_block_ids, cpu_block_ids)``.  With
         ``layerwise=True`` the ranks copy layer ``l`` once ``future.layer_computed(l + 1)`` was called."""
-        return self._swap(CacheStatus.SWAP2CPU, gpu_block_ids, cpu_block_ids, swap_node_ids, timeout, layerwise)
+        task = swap_task(CacheStatus.SWAP2CPU, gpu_block_ids, cpu_block_ids, swap_node_ids)
+        return self._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=True)
 
     def swap_to_gpu(self, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any = None,
                     timeout: float | None = None, layerwise: bool = False) -> Future:
         """Copy host swap blocks back into device blocks on every rank; same result shape.  With
         ``layerwise=True``, ``future.wait_for_layer(l)`` returns once layer ``l`` landed on every rank."""
-        return self._swap(CacheStatus.SWAP2GPU, gpu_block_ids, cpu_block_ids, swap_node_ids, timeout, layerwise)
+        task = swap_task(CacheStatus.SWAP2GPU, gpu_block_ids, cpu_block_ids, swap_node_ids)
+        return self._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=False)
 
     def write_storage(self, keys: Sequence[str], gpu_block_ids: Any, token_ids: Sequence[int] | None = None,
                       timeout: float | None = None, layerwise: bool = False) -> Future:
@@ -336,7 +252,9 @@ class CacheTransferService:
         on every rank, skipping the leading blocks already stored.  Resolves to the gpu block
         ids stored on every rank (a leading run; 0 blocks when storage is down).  With
         ``layerwise=True`` the ranks stage layer ``l`` once ``future.layer_computed(l + 1)`` was called."""
-        return self._storage_task(CacheStatus.GPU2STORAGE, keys, gpu_block_ids, token_ids, timeout, {}, layerwise)
+        timeout = self.task_timeout if timeout is None else float(timeout)
+        task = storage_task(CacheStatus.GPU2STORAGE, keys, gpu_block_ids, token_ids, timeout)
+        return self._submit_maybe_layerwise(task, timeout, self.storage_grace, layerwise, is_store=True)
 
     def read_storage(self, keys: Sequence[str], gpu_block_ids: Any, start_read_block_idx: int = 0,
                      token_ids: Sequence[int] | None = None, timeout: float | None = None,
@@ -345,21 +263,9 @@ class CacheTransferService:
         ids loaded: the leading run present on every rank (the minimum over ranks).  With
         ``layerwise=True``, ``future.wait_for_layer(l)`` returns the blocks of layer ``l`` landed on
         every rank as soon as they are."""
-        if not isinstance(start_read_block_idx, int) or start_read_block_idx < 0:
-            raise ValueError(f"start_read_block_idx {start_read_block_idx!r} must be a non-negative integer")
-        return self._storage_task(CacheStatus.STORAGE2GPU, keys, gpu_block_ids, token_ids, timeout,
-                                  {"start_read_block_idx": start_read_block_idx}, layerwise)
-
-    def _storage_task(self, event: CacheStatus, keys: Sequence[str], gpu_block_ids: Any,
-                      token_ids: Sequence[int] | None, timeout: float | None, extra: dict,
-                      layerwise: bool = False) -> Future:
-        if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
-            raise ValueError("keys must be a list of block-hash strings")
         timeout = self.task_timeout if timeout is None else float(timeout)
-        task = {"event_type": int(event), "keys": list(keys), "gpu_block_ids": _id_list(gpu_block_ids, "gpu_block_ids"),
-                "token_ids": _id_list(token_ids or [], "token_ids"), "timeout": timeout, **extra}
-        return self._submit_maybe_layerwise(task, timeout, self.storage_grace, layerwise,
-                                            event == CacheStatus.GPU2STORAGE)
+        task = storage_task(CacheStatus.STORAGE2GPU, keys, gpu_block_ids, token_ids, timeout, start_read_block_idx)
+        return self._submit_maybe_layerwise(task, timeout, self.storage_grace, layerwise, is_store=False)
 
     def _submit_maybe_layerwise(self, task: dict, timeout: float | None, grace: float, layerwise: bool,
                                 is_store: bool) -> Future:
@@ -367,14 +273,10 @@ class CacheTransferService:
             return self.submit(task, timeout, grace)
         if self.layerwise is None:
             raise ServiceClosed("the CTM service is not running")
-        ref = self.layerwise.acquire(await_compute=is_store)
-        if ref is not None:
-            task["layerwise"] = ref.to_wire()
         task.setdefault("task_id", self.tracker.new_task_id())
         timeout = self.task_timeout if timeout is None else float(timeout)
-        deadline = time.monotonic() + timeout  # at or before the one submit() stamps on the ranks' copy
-        future = self.submit(task, timeout, grace)
-        return self.layerwise.bind(future, task["task_id"], deadline, ref, len(self.spec.layer_blocks()))
+        return self.layerwise.submit(task, timeout, is_store, len(self.spec.layer_blocks()),
+                                     lambda t: self.submit(t, timeout, grace))
 
     def control(self, command: str, timeout: float | None = None, **args: Any) -> Future:
         """A CTRL task (``ping``, ``sleep``); resolves to each rank's answer, in rank order."""
@@ -391,11 +293,8 @@ class CacheTransferService:
         return self.tracker.unreleased_tasks()
 
     # ------------------------------------------------------------------ supervision
-    def _beat(self) -> None:
-        self.signals[WORKER_HEALTHY_LIVE_SIGNAL].value[0] = int(time.time())
-
     def _on_beat(self) -> None:
-        self._beat()
+        self.resources.beat()
         self.metrics.flush()
         self.server.pump()  # registers task connections, drains anything else sent there
 
@@ -410,8 +309,7 @@ class CacheTransferService:
         return self._supervisor.loops
 
     def _rank_died(self, rank: int, proc: RankProcess) -> None:
-        code = proc.popen.poll()
-        detail = f"(pid {proc.pid}) died ({'signal ' + str(-code) if code is not None and code < 0 else f'exit code {code}'})"
+        detail = f"(pid {proc.pid}) died ({proc.exit_detail()})"
         logger.error("CTM rank %d %s; failing every pending task", rank, detail)
         if self.server is not None:
             self.server.forget_rank(rank)
@@ -421,37 +319,31 @@ class CacheTransferService:
         """Replace rank ``rank``'s CTM (dead or alive) with a fresh one; its host swap space starts empty."""
         if not 0 <= rank < self.tp:
             raise ValueError(f"rank {rank} is not in 0..{self.tp - 1}")
-        old = self.procs.get(rank)
-        if old is not None:
-            old.stop(self.stop_grace)
+        self._ranks.stop(rank, self.stop_grace)
         if self.server is not None:
             self.server.forget_rank(rank)
-        for name in (SWAP_SPACE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL):
-            self.signals[name].value[rank] = 0
+        self.resources.reset_rank(rank)
         self.tracker.mark_down(rank, "is restarting")
         # wait until the old connection is forgotten before the new one says hello
         deadline = time.monotonic() + 5.0
         while rank in self.server.registered_ranks() and time.monotonic() < deadline:
             time.sleep(0.01)
         self.tracker.release_rank(rank)  # the old process is gone: it touches nothing any more
-        self.procs[rank] = self._launch(rank)
-        self._wait_ready([rank])
+        new = self._ranks.start(rank)
+        self._ranks.wait_ready([rank], self._rank_ready, self.ready_timeout)
         self.tracker.mark_up(rank)
         self._supervisor.ring()  # watch the new process at once
-        logger.info("rank %d restarted as pid %d", rank, self.procs[rank].pid)
+        logger.info("rank %d restarted as pid %d", rank, new.pid)
 
     # ------------------------------------------------------------------ RL weight updates
     def clear_caches(self, timeout: float = 60.0) -> None:
         """Drain and detach every rank, then free the device caches (``kv_cache_control``)."""
-        from .kv_cache_control import clear_caches
-
-        clear_caches(self, timeout)
+        kv_cache_control.clear_caches(self.resources, self._ranks.failures, self.tp, timeout)
 
     def restore_caches(self, timeout: float = 120.0) -> None:
         """Re-create the caches and have every rank re-attach under the new model version."""
-        from .kv_cache_control import restore_caches
-
-        restore_caches(self, timeout)
+        kv_cache_control.restore_caches(self.resources, self._ranks.failures, self.tp, timeout,
+                                        reread_model_version=self.storage_backend != "none")
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
@@ -464,15 +356,10 @@ class CacheTransferService:
         self.tracker.close()  # pending tasks fail; every block is released: the caches go away with the service
         self.metrics.close()
         self._supervisor.stop(5.0)
-        for proc in self.procs.values():
-            proc.stop(self.stop_grace)
+        self._ranks.stop_all(self.stop_grace)
         if self.server is not None:
             self.server.close()
-        if self.caches is not None:
-            self.caches.close()
-        for sig in self.signals.values():
-            sig.clear()
-        self.signals.clear()
+        self.resources.close()
         if self.layerwise is not None:
             self.layerwise.close()
         leftovers = self.platform.remove_orphans()  # what a killed CTM or an old run may have left
@@ -485,9 +372,29 @@ class CacheTransferService:
         """Wall time during which at least one task was in flight (overlapping tasks count once)."""
         return self.tracker.busy_seconds()
 
-    def namespace(self) -> "Namespace":
+    def namespace(self) -> Namespace:
         """The storage namespace the CTMs key their objects under."""
-        return self.spec.storage_namespace(self.model_id, self.model_version, self.tp)
+        return self.resources.namespace()
 
     def pids(self) -> dict[int, int]:
-        return {rank: proc.pid for rank, proc in self.procs.items()}
+        return self._ranks.pids()
+
+    @property
+    def procs(self) -> Mapping[int, RankProcess]:
+        """Rank -> its current CTM process (read-only; ``restart_rank`` replaces one)."""
+        return self._ranks.current()
+
+    @property
+    def caches(self) -> DeviceCaches | None:
+        """The engine's device caches, ``tensors[rank][kind][layer]`` (owned by ``resources``)."""
+        return self.resources.caches
+
+    @property
+    def signals(self) -> Mapping[str, IPCSignal]:
+        """The IPC signals by name, read-only (owned by ``resources``)."""
+        return self.resources.signals
+
+    @property
+    def model_version(self) -> str:
+        """The storage key prefix of the current weights (re-read on ``restore_caches`` with storage on)."""
+        return self.resources.model_version

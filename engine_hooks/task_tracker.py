@@ -98,7 +98,10 @@ def aggregate(task: dict, results: dict[int, RankResult], tp: int) -> Any:
 
 
 class TaskTracker:
-    def __init__(self, tp: int, record_latencies: bool = False):
+    def __init__(self, tp: int, record_latencies: bool = False,
+                 on_sooner_deadline: Callable[[], None] | None = None):
+        """``on_sooner_deadline``: called (outside the lock) when a submission's deadline comes before
+        the supervisor's planned wake (``plan_wake``), to wake it."""
         self.tp = tp
         self.lock = threading.Lock()
         self._pending: dict[str, Pending] = {}
@@ -118,7 +121,7 @@ class TaskTracker:
         # reach the top), so the supervisor sleeps until the next one instead of polling.
         self._deadline_heap: list[tuple[float, str]] = []
         self._wake_by = math.inf  # when the supervisor looks next (plan_wake)
-        self.on_sooner_deadline: Callable[[], None] | None = None  # wakes the supervisor
+        self._on_sooner_deadline = on_sooner_deadline
 
     # ------------------------------------------------------------------ submission
     def new_task_id(self) -> str:
@@ -150,8 +153,8 @@ class TaskTracker:
                 self._busy_locked()
                 sooner = deadline + ANSWER_SLACK_S < self._wake_by
         if down is None:
-            if sooner and self.on_sooner_deadline is not None:
-                self.on_sooner_deadline()
+            if sooner and self._on_sooner_deadline is not None:
+                self._on_sooner_deadline()
             return task, future, True
         future = TaskFuture(released=True)
         future.set_exception(RankDiedError(task["task_id"], *down))

@@ -32,17 +32,16 @@
   swap space is empty) loses what only the host held.
 
 Every write keeps the device blocks it reads pinned until its future is done *and* released
-(``_Write``, reaped by ``reap``); counts come from the futures' results and bytes from the ranks'
+(``storage_writes``, reaped by ``reap``); counts come from the futures' results and bytes from the ranks'
 ``RankResult.bytes_moved``, as for any task.
 """
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Iterable
 
 from .late_tasks import bytes_moved, outcome
+from .storage_writes import StorageWrite
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +77,6 @@ def bounce_blocks_for(write_policy: str, num_device_blocks: int, num_host_blocks
     return n
 
 
-@dataclass
-class _Write:
-    future: Future
-    blocks: list[int]  # the device blocks it pins until it is done and released
-    hashes: list[str]
-
-
 class WritePolicyMixin:
     """The policy half of ``TieredPrefixCache``: it shares the cache's tiers, service and stats."""
 
@@ -100,13 +92,11 @@ class WritePolicyMixin:
         """A device block nothing holds any more: back to its pool."""
         (self._bounce_free if block in self._bounce_ids else self._dev_free).append(block)
 
-    def _submit_write(self, hashes: list[str], blocks: list[int]) -> _Write:
+    def _submit_write(self, hashes: list[str], blocks: list[int]) -> StorageWrite:
         """Write ``blocks`` under ``hashes``; the caller has pinned them for the write."""
-        w = _Write(self.svc.write_storage(hashes, blocks, timeout=self.task_timeout), list(blocks), list(hashes))
-        self._writes.append(w)
-        return w
+        return self._writes.add(self.svc.write_storage(hashes, blocks, timeout=self.task_timeout), blocks, hashes)
 
-    def _finish_write(self, w: _Write) -> None:
+    def _finish_write(self, w: StorageWrite) -> None:
         """Account a write that is done and released (from its result), and unpin its blocks."""
         self.stats.bytes_to_storage += bytes_moved(w.future)
         try:
@@ -147,7 +137,7 @@ class WritePolicyMixin:
                 self._submit_write(list(lease.hashes), list(lease.gpu_blocks))
                 return True
         elif self.write_policy == "write_through_selective":
-            writing = {h for w in self._writes for h in w.hashes}
+            writing = self._writes.hashes()
             pos = [i for i, (h, b) in enumerate(zip(lease.hashes, lease.gpu_blocks))
                    if self._hits.get(h, 0) >= self.write_threshold and h not in self._stored
                    and h not in writing and self._dev_by_hash.get(h) == b]  # committed: the request's bytes
@@ -161,7 +151,7 @@ class WritePolicyMixin:
         return False
 
     # ------------------------------------------------------------------ write_back
-    def _leave_device(self, victims: list[int], dropped: list[tuple[int, str]]) -> tuple[list[int], list[_Write]]:
+    def _leave_device(self, victims: list[int], dropped: list[tuple[int, str]]) -> tuple[list[int], list[StorageWrite]]:
         """``dropped`` (block, hash) left device without reaching host.  Returns the victims usable
         now and the write-backs that pin the others."""
         for _, h in dropped:

@@ -17,7 +17,7 @@ from cache_manager.ipc_signal import IPCSignal
 from engine_hooks.device_caches import CacheSpec, DeviceCaches
 from engine_hooks.fastdeploy_queue import DEFAULT_AUTHKEY, EngineCacheQueue
 from engine_hooks.launcher import RankProcess, launch
-from engine_hooks.service import default_log_dir, free_port
+from engine_hooks.launcher import default_log_dir, free_port
 from ops.shm import unlink_segments
 
 SPEC = CacheSpec(num_layers=2, num_blocks=16, kv_heads=2, block_size=4, head_dim=8)

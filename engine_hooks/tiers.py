@@ -1,0 +1,42 @@
+"""The prefix cache's vocabulary: the tiers a block comes from, a request's lease on its blocks, and
+what moved between the tiers (as the ranks reported it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TIERS = ("device", "host", "storage", "miss")
+
+
+class CapacityError(ValueError):
+    """A request needs more device blocks than the pool can ever free for it."""
+
+
+@dataclass
+class Lease:
+    """One request's blocks: the device block and where its contents came from, per position."""
+
+    hashes: list[str]
+    gpu_blocks: list[int]
+    sources: list[str]
+
+    def positions(self, tier: str) -> list[int]:
+        return [i for i, s in enumerate(self.sources) if s == tier]
+
+
+@dataclass
+class TierStats:
+    """Blocks and bytes that actually moved, as the ranks reported them."""
+
+    swap_out_blocks: int = 0  # device -> host, tasks that succeeded on every rank
+    swap_in_blocks: int = 0  # host -> device, likewise
+    storage_write_blocks: int = 0  # blocks newly in storage, from the write futures' results
+    storage_read_blocks: int = 0  # blocks loaded from storage, from the read futures' results
+    failed_loads: int = 0  # swap-in blocks that failed, plus failed storage read tasks
+    dropped_blocks: int = 0  # evicted device blocks that did not reach the host tier
+    # bytes per direction: sum over ranks of RankResult.bytes_moved (failed tasks' partial moves too)
+    bytes_d2h: int = 0
+    bytes_h2d: int = 0
+    bytes_to_storage: int = 0
+    bytes_from_storage: int = 0
+    quarantined_blocks: int = 0  # device blocks ever held back for a late task
+    quarantined_slots: int = 0  # host slots ever held back for a late task

@@ -1,0 +1,48 @@
+"""The service's tasks as the ranks receive them (DESIGN §3.3): built from the engine's arguments,
+which are checked here, so a bad argument raises ``ValueError`` before anything is sent."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from cache_manager.cache_data import CacheStatus
+from ops.layout import plain_int_list
+
+
+def block_ids(ids: Any, what: str) -> list[int]:
+    """Block ids as plain ints for the wire; a float or other non-integer is refused here."""
+    if plain_int_list(ids):
+        return list(ids)
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"{what} must hold integers, got dtype {ids.dtype}")
+        return ids.astype(np.int64).tolist()
+    out = []
+    for v in ids:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{what}: block id {v!r} is not an integer")
+        out.append(int(v))
+    return out
+
+
+def swap_task(event: CacheStatus, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any) -> dict:
+    """A SWAP2CPU or SWAP2GPU task."""
+    nodes = block_ids(swap_node_ids if swap_node_ids is not None else [], "swap_node_ids")
+    return {"event_type": int(event), "swap_node_ids": nodes, "gpu_block_ids": block_ids(gpu_block_ids, "gpu_block_ids"),
+            "cpu_block_ids": block_ids(cpu_block_ids, "cpu_block_ids")}
+
+
+def storage_task(event: CacheStatus, keys: Sequence[str], gpu_block_ids: Any, token_ids: Sequence[int] | None,
+                 timeout: float, start_read_block_idx: int | None = None) -> dict:
+    """A GPU2STORAGE task, or (with ``start_read_block_idx``) a STORAGE2GPU one; ``timeout`` is the
+    ranks' own, past which they answer with 0 blocks."""
+    if start_read_block_idx is not None and (not isinstance(start_read_block_idx, int) or start_read_block_idx < 0):
+        raise ValueError(f"start_read_block_idx {start_read_block_idx!r} must be a non-negative integer")
+    if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+        raise ValueError("keys must be a list of block-hash strings")
+    task = {"event_type": int(event), "keys": list(keys), "gpu_block_ids": block_ids(gpu_block_ids, "gpu_block_ids"),
+            "token_ids": block_ids(token_ids or [], "token_ids"), "timeout": timeout}
+    if start_read_block_idx is not None:
+        task["start_read_block_idx"] = start_read_block_idx
+    return task
