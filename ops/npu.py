@@ -23,7 +23,7 @@ Every pyACL call returns an ``aclError`` int (0 = ACL_SUCCESS); any other code r
 ``swap_cache_*``          one batched copy per plan where the runtime has it (CANN >= 8.5,
                           ``acl.rt.memcpy_batch_async(dsts, dest_maxs, srcs, sizes, attrs, attrs_indexes,
                           stream)``, modelled on ``aclrtMemcpyBatchAsync``), else ``acl.rt.memcpy_async``
-                          per run of consecutive ids (``merge_runs``) on the thread's stream; then one
+                          per run of consecutive ids on the thread's stream (``ops.acl_copy``); then one
                           ``acl.rt.synchronize_stream``.  ``ACL_ERROR_RT_FEATURE_NOT_SUPPORT`` from the
                           batch switches the platform to the async path for good.  Neither waits for the
                           engine's compute streams: a block must be written before its swap-out is asked.
@@ -50,20 +50,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .acl_copy import (ACL_MEMCPY_DEVICE_TO_HOST, ACL_MEMCPY_HOST_TO_DEVICE, ACL_SUCCESS, AclCopier,
+                       check_acl)
 from .dtypes import cache_dtype
-from .layout import CopyPlan, HostAllocations, check_side_ids, orient, tensor_info
-from .platform import DEVICE_TO_HOST, BlockIds, Platform
+from .layout import CopyPlan, HostAllocations, tensor_info
+from .platform import BlockIds, Platform
 from .shm import SharedMemorySegment
 
 logger = logging.getLogger(__name__)
 
-ACL_SUCCESS = 0
 ACL_ERROR_REPEAT_INITIALIZE = 100002
-ACL_MEMCPY_HOST_TO_DEVICE = 1
-ACL_MEMCPY_DEVICE_TO_HOST = 2
-ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
 ACL_MEM_MALLOC_HUGE_FIRST = 0
-MAX_BATCH = 4096  # copies per batched call; longer plans go in several batches
 IPC_KEY_LEN = 65  # "key的长度，固定配置为65" (aclrtIpcMemGetExportKey)
 # 1 = ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION.  Ambiguous across CANN versions: 8.2 documents
 # the flag as reserved ("固定配置为0", importers must be whitelisted with acl.rt.ipc_mem_set_import_pid);
@@ -72,33 +69,12 @@ IPC_KEY_LEN = 65  # "key的长度，固定配置为65" (aclrtIpcMemGetExportKey)
 IPC_EXPORT_DISABLE_PID_VALIDATION = 1
 IPC_IMPORT_FLAG_DEFAULT = 0  # same device: no peer access needed
 COPY_ENGINES = ("acl", "llm_datadist")  # pyACL copies; LLM-DataDist's swap_blocks for swap space
-ACL_MEM_LOC_HOST, ACL_MEM_LOC_DEVICE = 0, 1  # aclrtMemLocationType, for the batched copy's attributes
 
 SEGMENT_PREFIX = "ctm.npu."
 # magic, format version, export key, nbytes, dtype name, exporter device id
 _HANDLE = struct.Struct("<8sI80sQ16si")
 _HANDLE_MAGIC = b"CTMNPU\x00\x01"
 _HANDLE_VERSION = 1
-
-
-def check_acl(ret: Any, call: str) -> None:
-    """Raise ``RuntimeError`` unless ``ret`` is ACL_SUCCESS."""
-    if ret != ACL_SUCCESS:
-        raise RuntimeError(f"{call} failed with aclError {ret}")
-
-
-def merge_runs(src_ids: Any, dst_ids: Any) -> list[tuple[int, int, int]]:
-    """Maximal runs where both id sequences go up by one: ``[(src_start, dst_start, count)]`` in order."""
-    src = np.asarray(src_ids, dtype=np.int64).reshape(-1)
-    dst = np.asarray(dst_ids, dtype=np.int64).reshape(-1)
-    if src.size != dst.size:
-        raise ValueError(f"merge_runs: {src.size} source ids but {dst.size} destination ids")
-    if src.size == 0:
-        return []
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [src.size]))
-    return [(int(src[s]), int(dst[s]), int(e - s)) for s, e in zip(starts, ends)]
 
 
 @dataclass(frozen=True)
@@ -161,7 +137,7 @@ class NpuPlatform(Platform):
         self._device: dict[int, tuple[Any, int, int]] = {}  # data_ptr -> (tensor, nbytes, device id)
         self._exports: dict[str, tuple[str, int]] = {}  # name -> (key, data_ptr)
         self._attached: dict[int, str] = {}  # imported data_ptr -> key
-        self._batch_supported = hasattr(self._acl.rt, "memcpy_batch_async")
+        self._acl_copier = AclCopier(self._acl, self._stream)
         self._datadist: Any = None  # DataDistCopier, built on the first swap-space plan (copy_engine llm_datadist)
         self._swap_plans: dict[int, weakref.ref] = {}  # id(plan) -> plan, for plans of plan_all_layers
 
@@ -317,7 +293,7 @@ class NpuPlatform(Platform):
     def plan_all_layers(self, caches: Sequence[Any], host_ptrs: Sequence[int], num_cpu_blocks: int) -> CopyPlan:
         plan = super().plan_all_layers(caches, host_ptrs, num_cpu_blocks)
         if self.copy_engine == "llm_datadist":
-            self._copier().prepare(plan)  # registers now: a documented limit fails a CTM at start
+            self._datadist_copier().prepare(plan)  # registers now: a documented limit fails a CTM at start
             key, plans = id(plan), self._swap_plans
             plans[key] = weakref.ref(plan, lambda _ref: plans.pop(key, None))
         return plan
@@ -328,7 +304,7 @@ class NpuPlatform(Platform):
         # would fall back to the pyACL copies.
         return self.copy_engine != "llm_datadist"
 
-    def _copier(self) -> Any:
+    def _datadist_copier(self) -> Any:
         """The LLM-DataDist copier of this process's device, built on first use on the calling thread."""
         self.set_device(self.device_id)
         with self._lock:
@@ -358,26 +334,8 @@ class NpuPlatform(Platform):
     def run_plan(self, plan: CopyPlan, device_ids: BlockIds, host_ids: BlockIds, mode: int,
                  bulk: bool = False) -> int:  # aclrtMemcpy's DMA does not pass through the CPU caches
         if self.copy_engine == "llm_datadist" and self._is_swap_plan(plan):
-            return self._copier().run(plan, device_ids, host_ids, mode)  # binds the thread to the device
-        c = orient(plan, device_ids, host_ids, mode)
-        src, dst, src_ids, dst_ids = c.src, c.dst, c.src_ids, c.dst_ids
-        kind = ACL_MEMCPY_DEVICE_TO_HOST if c.mode == DEVICE_TO_HOST else ACL_MEMCPY_HOST_TO_DEVICE
-        check_side_ids(src_ids, src, unique=False)
-        check_side_ids(dst_ids, dst, unique=True)
-        bb = plan.block_bytes
-        if src.stride == bb and dst.stride == bb:
-            runs = merge_runs(src_ids, dst_ids)
-        else:  # block-major staging: consecutive ids are not adjacent in memory
-            runs = [(s, d, 1) for s, d in zip(src_ids.tolist(), dst_ids.tolist())]
-        copies = []  # (dst, dest_max, src, count) for every run of every layer
-        for layer in range(len(src.bases)):
-            sbase, dbase = int(src.bases[layer]), int(dst.bases[layer])
-            dend = dbase + (int(dst.capacities[layer]) - 1) * dst.stride + bb  # end of the last valid block
-            for s, d, n in runs:
-                daddr = dbase + d * dst.stride
-                copies.append((daddr, dend - daddr, sbase + s * src.stride, n * bb))
-        self._copy(copies, kind, f"{src.name}->{dst.name}")
-        return len(copies)
+            return self._datadist_copier().run(plan, device_ids, host_ids, mode)  # binds the thread to the device
+        return self._acl_copier.run(plan, device_ids, host_ids, mode)
 
     def _stream(self) -> Any:
         """The calling thread's stream on its device (streams belong to a device, as set_device does)."""
@@ -388,32 +346,6 @@ class NpuPlatform(Platform):
             check_acl(ret, "acl.rt.create_stream")
             self._tls.stream = stream
         return stream
-
-    def _copy(self, copies: list[tuple[int, int, int, int]], kind: int, what: str) -> None:
-        """Every copy of a plan, then one synchronize: batched where the runtime can, else async."""
-        if not copies:
-            return
-        stream = self._stream()
-        dst_loc, src_loc = ((ACL_MEM_LOC_DEVICE, ACL_MEM_LOC_HOST) if kind == ACL_MEMCPY_HOST_TO_DEVICE
-                            else (ACL_MEM_LOC_HOST, ACL_MEM_LOC_DEVICE))
-        queued = False
-        if self._batch_supported:
-            for start in range(0, len(copies), MAX_BATCH):
-                part = copies[start:start + MAX_BATCH]
-                dsts, maxes, srcs, sizes = (list(c) for c in zip(*part))
-                attr = self._acl.rt.MemcpyBatchAttr(dst_loc, src_loc)
-                fail, ret = self._acl.rt.memcpy_batch_async(dsts, maxes, srcs, sizes, [attr], [0], stream)
-                if ret == ACL_ERROR_RT_FEATURE_NOT_SUPPORT and not queued:
-                    logger.warning("this runtime has no batched copy (aclrtMemcpyBatchAsync): async copies instead")
-                    self._batch_supported = False
-                    break
-                check_acl(ret, f"acl.rt.memcpy_batch_async({what}, copy {fail})")
-                queued = True
-        if not self._batch_supported:
-            for dst, dest_max, src, count in copies:
-                check_acl(self._acl.rt.memcpy_async(dst, dest_max, src, count, kind, stream),
-                          f"acl.rt.memcpy_async({what})")
-        check_acl(self._acl.rt.synchronize_stream(stream), f"acl.rt.synchronize_stream({what})")
 
     def _device_of(self, ptr: int) -> int:
         """The device an allocation of ``empty`` lives on (copies must run on it); else the current one."""

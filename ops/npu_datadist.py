@@ -117,16 +117,6 @@ class DataDistCopier:
         logger.info("LLM-DataDist copy engine on npu:%d (cluster id %d)", self.device_id, self.cluster_id)
 
     # -- registration ----------------------------------------------------------------
-    @property
-    def registered_addresses(self) -> int:
-        with self._lock:
-            return sum(len(r.addrs) for r in self._device.values())
-
-    @property
-    def registered_device_bytes(self) -> int:
-        with self._lock:
-            return sum(r.nbytes for r in self._device.values())
-
     def _data_type(self, plan: CopyPlan) -> Any:
         name = DATA_TYPES.get(plan.dtype.name)
         if name is None:

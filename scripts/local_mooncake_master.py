@@ -30,7 +30,7 @@ Log: the master's output is appended to ``<log_dir>/mooncake_master.log``; ``log
 defaults to ``$CTM_LOG_DIR``, else ``./log`` (where the CTMs log), and nothing is written to
 the system's temp directory.  Each start appends a header line naming its ports; a file
 over 64 MiB is rotated to ``mooncake_master.log.1`` at the next start.  Several masters with
-one ``log_dir`` share the file (their lines interleave).
+one ``log_dir`` share the file (their lines interleave); ``master_log.py`` keeps it.
 
 ``lease_ttl_ms`` is ``--default_kv_lease_ttl``: a read's lease must outlast its transfer (a
 200 ms lease failed 256 MiB batch reads with -707), and ``remove`` is refused (-706) while a
@@ -51,7 +51,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -59,10 +58,13 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-LOOPBACK = "127.0.0.1"
+from scripts.local_ports import LOOPBACK, distinct_free_ports, free_port, owns_listener, tcp_answers
+from scripts.master_log import MasterLog
+
+# free_port is part of this harness's interface (tests pick ports with it).
+__all__ = ["LocalMooncakeMaster", "MooncakeMasterError", "find_master_binary", "free_port"]
+
 BINARY = "mooncake_master"
-LOG_NAME = "mooncake_master.log"
-LOG_ROTATE_BYTES = 64 << 20
 P2P_METADATA = "P2PHANDSHAKE"
 _POLL = 0.05
 
@@ -106,26 +108,6 @@ def _die_with_parent() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
-def default_log_dir() -> str:
-    """``$CTM_LOG_DIR``, else ``./log``: the CTMs' default, as FastDeploy's ``log/``."""
-    return os.path.abspath(os.environ.get("CTM_LOG_DIR") or "log")
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _distinct_free_ports(n: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < n:
-        port = free_port()
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
 class LocalMooncakeMaster:
     """One ``mooncake_master`` process on loopback; see the module docstring."""
 
@@ -144,13 +126,19 @@ class LocalMooncakeMaster:
         self.http_metadata = bool(http_metadata)
         self._fixed_ports = (rpc_port, http_port if self.http_metadata else 0, metrics_port)
         self.rpc_port, self.http_port, self.metrics_port = self._fixed_ports
-        self.log_dir = os.path.abspath(log_dir) if log_dir else default_log_dir()
-        self.log_path = os.path.join(self.log_dir, LOG_NAME)
-        self._log_start = 0             # where this start's output begins in the shared log
+        self._log = MasterLog(log_dir)
         self._proc: subprocess.Popen | None = None
-        self._log_file = None
 
     # ---- addresses -------------------------------------------------------------------------
+
+    @property
+    def log_dir(self) -> str:
+        return self._log.log_dir
+
+    @property
+    def log_path(self) -> str:
+        """The (shared) file the master's output is appended to."""
+        return self._log.path
 
     @property
     def master_server_addr(self) -> str:
@@ -188,7 +176,7 @@ class LocalMooncakeMaster:
         deadline = time.monotonic() + self.start_timeout
         for attempt in range(1, 6):
             if pick:
-                fresh = iter(_distinct_free_ports(3))   # a spare one when there is no http port
+                fresh = iter(distinct_free_ports(3))   # a spare one when there is no http port
                 self.rpc_port, self.http_port, self.metrics_port = (
                     fixed if fixed is not None else next(fresh) for fixed in self._fixed_ports)
             try:
@@ -220,28 +208,14 @@ class LocalMooncakeMaster:
             argv.append(f"--client_ttl={int(self.client_ttl_s)}")
         return argv + self.extra_args
 
-    def _open_log(self) -> None:
-        os.makedirs(self.log_dir, exist_ok=True)
-        try:
-            if os.path.getsize(self.log_path) > LOG_ROTATE_BYTES:
-                os.replace(self.log_path, self.log_path + ".1")
-        except OSError:
-            pass
-        self._log_file = open(self.log_path, "ab")
-        self._log_start = self._log_file.tell()
-        header = f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} owner pid {os.getpid()}: {' '.join(self._argv())}\n"
-        self._log_file.write(header.encode())
-        self._log_file.flush()
-
     def _spawn(self) -> None:
-        self._close_log()
         if self.http_metadata:
             log.warning("mooncake_master %s: its HTTP metadata server on port %d listens on every interface "
                         "(Mooncake 0.3.13 ignores --http_metadata_server_host)", self.master_server_addr,
                         self.http_port)
-        self._open_log()
+        log_file = self._log.open(self._argv())
         # Own session: a Ctrl+C in the terminal reaches the parent, which stops the master.
-        self._proc = subprocess.Popen(self._argv(), stdin=subprocess.DEVNULL, stdout=self._log_file,
+        self._proc = subprocess.Popen(self._argv(), stdin=subprocess.DEVNULL, stdout=log_file,
                                       stderr=subprocess.STDOUT, start_new_session=True,
                                       preexec_fn=_die_with_parent if self.die_with_parent else None)
 
@@ -252,7 +226,7 @@ class LocalMooncakeMaster:
                 code = None if self._proc is None else self._proc.returncode
                 raise MooncakeMasterError(f"{BINARY} exited with status {code} while starting "
                                           f"(rpc {self.master_server_addr}); log tail:\n{self.log_tail()}")
-            rpc_ok = rpc_ok or (self._tcp_answers(self.rpc_port) and self._owns_listener(self.rpc_port))
+            rpc_ok = rpc_ok or (tcp_answers(self.rpc_port) and self._owns_listener(self.rpc_port))
             http_ok = http_ok or not self.http_metadata or (
                 rpc_ok and self._owns_listener(self.http_port) and self._http_answers())
             if rpc_ok and http_ok:
@@ -263,14 +237,6 @@ class LocalMooncakeMaster:
                     f"{'up' if rpc_ok else 'down'}, metadata {self.metadata_server} {'up' if http_ok else 'down'}); "
                     f"log tail:\n{self.log_tail()}")
             time.sleep(_POLL)
-
-    @staticmethod
-    def _tcp_answers(port: int) -> bool:
-        try:
-            with socket.create_connection((LOOPBACK, port), timeout=0.5):
-                return True
-        except OSError:
-            return False
 
     def _http_answers(self) -> bool:
         try:
@@ -283,35 +249,8 @@ class LocalMooncakeMaster:
             return False
 
     def _owns_listener(self, port: int) -> bool:
-        """Whether our process holds the socket listening on ``port`` (so a stranger's port cannot
-        pass for ours).  Best effort: True where /proc cannot tell."""
-        proc = self._proc
-        if proc is None:
-            return False
-        inodes = set()
-        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            try:
-                with open(table) as f:
-                    next(f, None)
-                    for line in f:
-                        fields = line.split()
-                        if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                            inodes.add(fields[9])
-            except (OSError, ValueError):
-                return True
-        fd_dir = f"/proc/{proc.pid}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            return True
-        for fd in fds:
-            try:
-                link = os.readlink(os.path.join(fd_dir, fd))
-            except OSError:
-                continue
-            if link.startswith("socket:[") and link[8:-1] in inodes:
-                return True
-        return False
+        """Whether our process holds the socket listening on ``port``; best effort (``owns_listener``)."""
+        return self._proc is not None and owns_listener(self._proc.pid, port)
 
     def stop(self) -> None:
         """SIGTERM, SIGKILL after ``stop_grace`` seconds; always reaped.  Idempotent."""
@@ -328,14 +267,14 @@ class LocalMooncakeMaster:
                     self._sigkill(proc)
             else:
                 proc.wait()
-        self._close_log()
+        self._log.close()
 
     def kill(self) -> None:
         """SIGKILL at once and reap (a crash, for fault tests).  Idempotent."""
         proc, self._proc = self._proc, None
         if proc is not None:
             self._sigkill(proc)
-        self._close_log()
+        self._log.close()
 
     @staticmethod
     def _sigkill(proc: subprocess.Popen) -> None:
@@ -396,19 +335,7 @@ class LocalMooncakeMaster:
 
     def log_tail(self, max_bytes: int = 4000) -> str:
         """The end of this start's output (other masters sharing the file may interleave)."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                end = f.tell()
-                f.seek(max(self._log_start if self._log_start <= end else 0, end - max_bytes))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return "(no log)"
-
-    def _close_log(self) -> None:
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+        return self._log.tail(max_bytes)
 
     def cleanup(self) -> None:
         """Stop.  (Kept for callers of older versions: nothing temporary is created any more.)"""

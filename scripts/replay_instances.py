@@ -23,22 +23,23 @@ and the master has dropped their clients (``client_ttl`` after their last ping: 
 unmounted and the objects with no replica left are erased), counts again, and goes on with the
 survivors.  Until the master drops them, reads of those objects fail (TRANSFER_FAIL: a miss, never
 wrong bytes); afterwards they are not found.  Its /dev/shm segments are checked gone.
+
+This module is the replay's side (arguments, the instance handles, routing, the summary); the
+instance process is ``replay_instance_process.py``, the kill and its accounting
+``replay_instance_kill.py``.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import logging
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
 import time
-from multiprocessing.connection import Connection
 
 import _common
 
@@ -46,15 +47,14 @@ _common.quiet_paddle()
 
 from engine_hooks.prefix_cache import TierStats  # noqa: E402
 from engine_hooks.service import default_log_dir  # noqa: E402
-from ops.procs import pid_alive  # noqa: E402
-from replay_workload import KINDS, Content, Request, Served, Tally, serve_request, summarize  # noqa: E402
+from replay_instance_kill import kill_instance, recovery  # noqa: E402
+from replay_instance_process import child_main  # noqa: E402
+from replay_workload import KINDS, Request, Served, Tally, summarize  # noqa: E402
 
 log = logging.getLogger("replay.instances")
 
 STARTUP_S = 240.0        # an instance's CTMs up and its caches attached
 STOP_S = 60.0            # an instance drains its writes and stops its CTMs
-CTM_EXIT_S = 15.0        # a killed engine's CTMs notice (pidfd) and exit
-BUSY_EVERY = 100         # requests between two reports of an instance's busy time (a sort of every task)
 LOCAL_MASTER_SEGMENT = 1 << 30  # each client's segment with the replay's own master, unless told
 
 
@@ -119,91 +119,6 @@ def mooncake_options(args: argparse.Namespace, master) -> dict:
     if args.mooncake_replicas is not None:
         out["replica_num"] = args.mooncake_replicas
     return out
-
-
-# ---------------------------------------------------------------------------- the instance process
-def _die_with(parent: int) -> bool:
-    """SIGTERM when the replay dies (even by SIGKILL); False if it is gone already."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    return os.getppid() == parent
-
-
-def _terminate(signum, _frame):
-    raise SystemExit(128 + signum)
-
-
-def _stats(cache, svc, busy: bool) -> dict:
-    out = {**dataclasses.asdict(cache.stats), "bounce_blocks": cache.block_counts()["bounce"]}
-    if busy:
-        out["busy_s"] = svc.busy_seconds()
-    return out
-
-
-def child_main(fd: int, parent: int) -> int:
-    """One engine instance: start, then serve ("serve", line, hashes) until ("stop",) or the replay is gone."""
-    from engine_hooks import CacheTransferService
-    from engine_hooks.prefix_cache import CapacityError, TieredPrefixCache
-
-    if not _die_with(parent):
-        return 1
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C: the replay stops its instances
-    signal.signal(signal.SIGTERM, _terminate)
-    conn = Connection(fd)
-    if not conn.poll(60.0):
-        return 1
-    cfg = conn.recv()
-    _common.setup_logging(cfg["verbose"])
-    ilog = logging.getLogger(f"replay.instance{cfg['index']}")
-    svc = None
-    try:
-        svc = CacheTransferService(cfg["spec"], tp=cfg["tp"], num_cpu_blocks=cfg["host_blocks"],
-                                   storage_backend="mooncake", storage_options=cfg["storage_options"],
-                                   model_id=cfg["model_id"], max_model_len=cfg["max_model_len"],
-                                   task_timeout=cfg["task_timeout"], log_dir=cfg["log_dir"], record_latencies=True)
-        svc.start()
-        cache = TieredPrefixCache(svc, cfg["device_blocks"], cfg["host_blocks"], write_policy=cfg["write_policy"],
-                                  write_threshold=cfg["write_threshold"], task_timeout=cfg["task_timeout"])
-        content = Content(svc)
-        conn.send(("ready", {"pid": os.getpid(), "port": svc.port, "ctm_pids": list(svc.pids().values()),
-                             "namespace": str(svc.namespace()), "segment_prefix": svc.platform.segment_prefix}))
-        sent = served_n = 0
-        while True:
-            if not conn.poll(1.0):
-                if os.getppid() != parent:
-                    ilog.warning("the replay is gone: stopping")
-                    return 1
-                continue
-            msg = conn.recv()
-            if msg[0] == "serve":
-                _, line, hashes = msg
-                try:
-                    served: Served | None = serve_request(cache, content, line, hashes, ilog)
-                except CapacityError as exc:
-                    ilog.warning("request on line %d skipped: %s", line, exc)
-                    served = None
-                cache.reap_writes(wait=True)  # its writes land before the next request goes anywhere
-                served_n += 1
-                lat = svc.latencies_ms
-                conn.send(("served", served, _stats(cache, svc, served_n % BUSY_EVERY == 0), lat[sent:]))
-                sent = len(lat)
-            elif msg[0] == "stop":
-                drained = cache.drain()
-                conn.send(("stopped", drained, _stats(cache, svc, True), svc.latencies_ms[sent:]))
-                return 0
-    except (EOFError, OSError) as exc:
-        ilog.warning("lost the replay's pipe (%s): stopping", exc)
-        return 1
-    finally:
-        # The replay's death both closes our pipe and (PR_SET_PDEATHSIG) sends SIGTERM, microseconds
-        # apart: a SIGTERM raised inside the shutdown would cut it short and leave the segments.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if svc is not None:
-            svc.shutdown()
 
 
 # ---------------------------------------------------------------------------- the replay's side
@@ -327,99 +242,6 @@ class Router:
             self.live.remove(index)
 
 
-@contextlib.contextmanager
-def _stderr_to(path: str | None):
-    """Mooncake's client logs (glog, INFO and up) to this process's stderr, which is the replay's
-    terminal: while it sets up and closes, fd 2 goes to ``path`` (the replay writes nothing then)."""
-    if path is None:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(path, "ab") as f:
-            os.dup2(f.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-class PoolInspector:
-    """A Mooncake client that mounts no memory (``global_segment_size`` 0): which blocks the pool holds."""
-
-    def __init__(self, storage_options: dict, namespace: str, tp: int):
-        from transfer_factory.mooncake.store import MooncakeStore
-
-        self.namespace, self.tp = namespace, tp
-        self.store = MooncakeStore(namespace="replay-inspector", rank=0, options={
-            **storage_options, "global_segment_size": 0, "local_buffer_size": 1 << 20})
-
-    def held(self, hashes: list[str], batch: int = 1024) -> set[str]:
-        """The blocks whose every object (each rank's K and V) the pool holds."""
-        from transfer_factory.keys import storage_key
-
-        tags = ("k", "v")[:len(KINDS)]
-        out: set[str] = set()
-        for start in range(0, len(hashes), batch):
-            chunk = hashes[start:start + batch]
-            keys = [storage_key(self.namespace, h, r, t) for h in chunk for r in range(self.tp) for t in tags]
-            found = self.store.exists(keys)
-            if any(f < 0 for f in found):
-                log.warning("pool inspector: %d exists queries failed", sum(f < 0 for f in found))
-            per = self.tp * len(tags)
-            out.update(h for j, h in enumerate(chunk) if all(f == 1 for f in found[j * per:(j + 1) * per]))
-        return out
-
-    def close(self) -> None:
-        self.store.close()
-
-
-def _wait(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _shm_leftovers(info: dict) -> list[str]:
-    """/dev/shm names an instance's engine and CTMs may leave: its platform's and its signals'."""
-    port, prefix = str(info["port"]), info["segment_prefix"]
-    try:
-        names = os.listdir("/dev/shm")
-    except OSError:
-        return []
-    return sorted(n for n in names if n.startswith(prefix) or n.endswith(f".{port}"))
-
-
-def _window(part: list) -> tuple[float, float]:
-    blocks = sum(n for n, _, _ in part)
-    if not blocks:
-        return 0.0, 0.0
-    return sum(n - c["miss"] for n, _, c in part) / blocks, sum(c for _, c, _ in part) / blocks
-
-
-def recovery(timeline: list, at: int) -> dict:
-    """Hit ratio and ceiling before and after the kill (``at``: requests served before it), in ten
-    windows after it, and the requests after which a window's hit ratio is back within 2 points of
-    the ceiling's share it reached before the kill."""
-    before, after = timeline[:at], timeline[at:]
-    (hb, cb), (ha, ca) = _window(before), _window(after)
-    efficiency = hb / cb if cb else 1.0
-    w = max(1, -(-len(after) // 10))
-    windows, back = [], None
-    for j in range(0, len(after), w):
-        h, c = _window(after[j:j + w])
-        windows.append({"requests_after_kill": j + len(after[j:j + w]), "hit_ratio": round(h, 4),
-                        "ceiling": round(c, 4)})
-        if back is None and c and h >= (efficiency - 0.02) * c:
-            back = j + len(after[j:j + w])
-    return {"hit_ratio_before_kill": hb, "ceiling_before_kill": cb, "hit_ratio_after_kill": ha,
-            "ceiling_after_kill": ca, "recovery": windows, "recovered_after_requests": back}
-
-
 def run(args: argparse.Namespace, spec, requests: list[Request], block_hashes: list[list[str]], source: str,
         max_model_len: int, storage_options: dict, master, log_dir: str, progress) -> dict:
     """Start the instances, replay over them (killing one if asked), stop them; the summary."""
@@ -435,7 +257,7 @@ def run(args: argparse.Namespace, spec, requests: list[Request], block_hashes: l
             inst.wait_ready()
         print(f"{args.instances} engine instances up (pids {', '.join(str(x.proc.pid) for x in instances)}), "
               f"route {args.route}", flush=True)
-        kill = functools.partial(_kill, args, master, storage_options,
+        kill = functools.partial(kill_instance, args, master, storage_options,
                                  os.path.join(log_dir, "mooncake_inspector.stderr"))
         result = _replay(args, instances, kill, requests, block_hashes, progress)
         for inst in instances:
@@ -446,39 +268,6 @@ def run(args: argparse.Namespace, spec, requests: list[Request], block_hashes: l
         for inst in instances:
             if inst.alive or inst.proc.poll() is None:
                 inst.stop(timeout=10.0)
-
-
-def _kill(args, master, storage_options: dict, inspector_log: str, victim: EngineInstance, written: list[str]) -> dict:
-    """SIGKILL ``victim``; count the blocks of ``written`` the pool held before and holds once the
-    master dropped the victim's segments.  The counting client (and its own log lines) lives only
-    meanwhile; its log goes to ``inspector_log``."""
-    segments = len(master.segments()) if master is not None else None
-    ttl = args.mooncake_client_ttl or 10
-    pids = victim.info["ctm_pids"]
-    with _stderr_to(inspector_log):
-        inspector = PoolInspector(storage_options, victim.info["namespace"], args.tp)
-        try:
-            before = inspector.held(written)
-            t0 = time.monotonic()
-            victim.kill()
-            ctms_gone = _wait(lambda: not any(pid_alive(p) for p in pids), CTM_EXIT_S)
-            if master is not None:  # its CTMs' segments, one per rank, leave the pool
-                dropped = master.wait_for_segments(segments - args.tp, ttl + 20.0)
-            else:  # an outside master: its client_ttl is --mooncake-client-ttl, or Mooncake's default
-                time.sleep(ttl + 2.0)
-                dropped = None
-            pause = time.monotonic() - t0
-            after = inspector.held(sorted(before))
-        finally:
-            inspector.close()
-    _wait(lambda: not _shm_leftovers(victim.info), 10.0)
-    left = {"processes": [p for p in [victim.proc.pid, *pids] if pid_alive(p)], "segments": _shm_leftovers(victim.info)}
-    if not ctms_gone or left["processes"] or left["segments"]:
-        log.error("instance %d left %s behind", victim.index, left)
-    if dropped is False:
-        log.warning("the master still lists instance %d's segments after %.0fs", victim.index, pause)
-    return {"killed_instance": victim.index, "stored_blocks_at_kill": len(before),
-            "lost_blocks": len(before) - len(after), "kill_pause_s": pause, "killed_leftovers": left}
 
 
 def _replay(args, instances: list[EngineInstance], kill_one, requests, block_hashes, progress) -> dict:

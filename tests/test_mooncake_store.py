@@ -22,8 +22,8 @@ from transfer_factory.kvcache_storage import (BUFFER_TOO_SMALL, INVALID, NOT_FOU
                                               StorageAccess, StorageConfigError)
 from scripts.local_mooncake_master import LocalMooncakeMaster, free_port  # noqa: E402
 from transfer_factory.mooncake.prefault import new_anonymous_ranges  # noqa: E402
-from transfer_factory.mooncake.store import (MooncakeConnectionError, MooncakeStore,  # noqa: E402
-                                             load_mooncake_config, parse_size)
+from transfer_factory.mooncake import MooncakeConnectionError, MooncakeStore  # noqa: E402
+from transfer_factory.mooncake.config import load_mooncake_config, parse_size  # noqa: E402
 
 SMALL = {"global_segment_size": "64mb", "local_buffer_size": "16mb"}
 HANG_BOUND_S = 30.0      # a hang check, not a speed check
@@ -299,7 +299,7 @@ def test_prefaulted_segment_holds_its_objects_bit_exact_and_puts_take_no_page_fa
                 assert store.batch_get(keys, bufs.dst_ptrs(), bufs.sizes()) == [size] * count
                 assert np.array_equal(bufs.dst, bufs.src)
                 if prefault != "off":
-                    desc = store._client.store.batch_get_replica_desc(keys)
+                    desc = store._connection.current.store.batch_get_replica_desc(keys)
                     for key in keys:
                         addr = desc[key][0].get_memory_descriptor().buffer_descriptor.buffer_address
                         assert any(a <= addr and addr + size <= b for a, b in store.prefaulted), key

@@ -31,6 +31,7 @@ from scripts.local_mooncake_master import LocalMooncakeMaster  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
 import replay_instances  # noqa: E402
+from replay_instance_kill import PoolInspector, shm_leftovers  # noqa: E402
 from replay_workload import Content, Request  # noqa: E402
 
 # Whole 8-byte words per block (Content writes uint64s): 16 tokens x 64 bf16 = 2 KiB per layer-block.
@@ -108,7 +109,7 @@ def test_a_killed_instance_leaves_misses_never_wrong_bytes_and_nothing_behind(ma
         assert served.sources == ["miss"] * 24 and a.stats["storage_write_blocks"] == 24
         assert _read_and_check(b, content, hashes, list(range(24))) == 24, "B should read all of A's blocks"
 
-        inspector = replay_instances.PoolInspector(opts, str(b.namespace()), tp=1)
+        inspector = PoolInspector(opts, str(b.namespace()), tp=1)
         segments = len(master.segments())
         pids, info = a.info["ctm_pids"], a.info
         a.kill()
@@ -143,9 +144,9 @@ def test_a_killed_instance_leaves_misses_never_wrong_bytes_and_nothing_behind(ma
         # nothing of A is left: its engine, its CTMs (above), its /dev/shm segments
         assert process_gone(a.proc.pid)
         deadline = time.monotonic() + 10
-        while replay_instances._shm_leftovers(info) and time.monotonic() < deadline:
+        while shm_leftovers(info) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert replay_instances._shm_leftovers(info) == []
+        assert shm_leftovers(info) == []
     finally:
         if inspector is not None:
             inspector.close()

@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ops
+from ops.acl_copy import merge_runs
 from ops.layout import Side, check_side_ids, tensor_info
-from ops.npu import NpuDeviceView, NpuPlatform, check_acl, merge_runs
+from ops.npu import NpuDeviceView, NpuPlatform, check_acl
 
 no_acl = pytest.mark.skipif(importlib.util.find_spec("acl") is not None, reason="pyACL is installed here")
 

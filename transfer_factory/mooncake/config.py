@@ -20,7 +20,7 @@ Tuning (``options`` or the JSON file): ``rpc_timeout_ms`` (5000), ``rpc_connect_
 ``replica_num`` (1: memory replicas of every object put, each on another segment, best effort),
 ``segment_prefault`` ("populate": fault the mounted segment in at setup, ~0.35 s per GiB;
 "hugepage": the same on transparent huge pages, 2-3 s per GiB for compaction; "off": leave it
-to the first writes, each page's first write a page fault; see ``mooncake_prefault.py``),
+to the first writes, each page's first write a page fault; see ``prefault.py``),
 ``io_thread_nice`` (19: the nice value of a storage mover's I/O threads, which call Mooncake;
 its batch calls busy-poll for completion, so the caller spins on a core for the whole transfer;
 0 leaves them at the process's priority).  A missing
