@@ -57,8 +57,6 @@ class Quarantine:
 
     def __init__(self) -> None:
         self._held: list[_Held] = []
-        self.blocks_held = 0  # device blocks ever quarantined
-        self.slots_held = 0  # host slots ever quarantined
 
     def hold(self, future: Future, blocks: Iterable[int], slots: Iterable[int], what: str) -> bool:
         """Quarantine ``blocks``/``slots`` of ``future``'s task.  False when it is released already
@@ -68,8 +66,6 @@ class Quarantine:
             return False
         logger.warning("%s failed while a rank may still act on it: holding device blocks %s and host slots %s "
                        "until every rank has released it", what, held.blocks[:8], held.slots[:8])
-        self.blocks_held += len(held.blocks)
-        self.slots_held += len(held.slots)
         self._held.append(held)
         return True
 

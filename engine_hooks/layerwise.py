@@ -1,7 +1,7 @@
 """The engine's side of layer-wise tasks: slots of the progress board and ``wait_for_layer``.
 
 A layer-wise load (``swap_to_gpu`` / ``read_storage`` with ``layerwise=True``) returns the usual
-future, with two more methods:
+``TaskFuture`` with a waiter attached (``bind``), which its two per-layer methods delegate to:
 
 * ``future.wait_for_layer(layer, timeout=None) -> int`` returns as soon as layer ``layer`` has landed
   on every rank, with the number of leading blocks that layer holds on every rank (all of them for
@@ -28,6 +28,7 @@ from typing import Any, Callable
 from cache_manager.layer_progress import FAILED, MAX_SEQ, SLOTS, LayerBoard, LayerwiseRef, pack, unpack, wait_until
 
 from .errors import CacheServiceError
+from .task_future import TaskFuture
 
 logger = logging.getLogger(__name__)
 
@@ -65,20 +66,18 @@ class LayerwiseTasks:
         with self._lock:
             self._free.append(slot)
 
-    def bind(self, future: Future, task_id: str, deadline: float, ref: LayerwiseRef | None, layers: int) -> Future:
-        """Give ``future`` its layer-wise methods; the slot frees itself once the task is released."""
+    def bind(self, future: TaskFuture, task_id: str, deadline: float, ref: LayerwiseRef | None,
+             layers: int) -> TaskFuture:
+        """Attach ``future``'s layer-wise waiter; the slot frees itself once the task is released."""
         if ref is None:
-            future.wait_for_layer = _whole_task_wait(future, layers, deadline)  # type: ignore[attr-defined]
-            future.layer_computed = lambda count: None  # type: ignore[attr-defined]
+            future.attach_layerwise(_WholeTaskWaiter(future, layers, deadline))
             return future
-        waiter = _LayerWaiter(self.board, ref, future, layers, deadline, task_id)
-        future.wait_for_layer = waiter.wait  # type: ignore[attr-defined]
-        future.layer_computed = waiter.computed  # type: ignore[attr-defined]
-        future.released.add_done_callback(lambda _: self._free_slot(ref.slot))  # type: ignore[attr-defined]
+        future.attach_layerwise(_LayerWaiter(self.board, ref, future, layers, deadline, task_id))
+        future.released.add_done_callback(lambda _: self._free_slot(ref.slot))
         return future
 
     def submit(self, task: dict, timeout: float, await_compute: bool, layers: int,
-               send: Callable[[dict], Future]) -> Future:
+               send: Callable[[dict], TaskFuture]) -> TaskFuture:
         """Send ``task`` (which has its ``task_id``) layer-wise through ``send``, which stamps the
         ranks' deadline ``timeout`` seconds on; returns its future with the layer methods bound."""
         ref = self.acquire(await_compute)
@@ -97,16 +96,24 @@ def _check_layer(layer: Any, layers: int) -> int:
     return layer
 
 
-def _whole_task_wait(future: Future, layers: int, deadline: float) -> Callable[..., int]:
-    def wait(layer: int, timeout: float | None = None) -> int:
-        _check_layer(layer, layers)
-        limit = deadline - time.monotonic() if timeout is None else min(timeout, deadline - time.monotonic())
+class _WholeTaskWaiter:
+    """No slot was free: the task runs whole-task, so a layer has landed once the task is done."""
+
+    def __init__(self, future: Future, layers: int, deadline: float):
+        self.future, self.layers, self.deadline = future, layers, deadline
+
+    def wait(self, layer: int, timeout: float | None = None) -> int:
+        _check_layer(layer, self.layers)
+        remaining = self.deadline - time.monotonic()
+        limit = remaining if timeout is None else min(timeout, remaining)
         try:
-            value = future.result(timeout=max(0.0, limit))
+            value = self.future.result(timeout=max(0.0, limit))
         except FutureTimeout:
             raise LayerWaitTimeout(f"layer {layer} not loaded within {max(0.0, limit):.3f}s") from None
         return len(value[3]) if isinstance(value, tuple) else len(value)
-    return wait
+
+    def computed(self, count: int) -> None:
+        """A whole-task store copies every layer at once, when its turn comes: nothing to tell it."""
 
 
 class _LayerWaiter:

@@ -6,12 +6,13 @@ service; this class only decides what moves.
 
 * **Device tier**: a pool of ``num_device_blocks`` blocks.  A block in use by a request is
   pinned (reference counted); unpinned blocks keep their contents and sit in an LRU, from
-  which allocation evicts.
+  which allocation evicts (``engine_hooks.device_pool``).
 * **Host tier**: ``num_host_blocks`` slots of the CTMs' swap space, with its own LRU.  An
   evicted device block is swapped out to host while the host tier has slots (the host LRU
   gives up its oldest entry when full), otherwise dropped.
 * **Storage tier**, by ``write_policy`` (``write_through``, ``write_through_selective``,
-  ``write_back`` through kept-apart *bounce blocks*, or ``none``; see ``engine_hooks.write_policy``).
+  ``write_back`` through kept-apart *bounce blocks*, or ``none``): a ``WritePolicy`` the cache holds
+  (``engine_hooks.write_policy``).
   A write keeps the blocks it reads pinned until it completes *and* is released, so no write reads
   a reused block or wrong bytes.
 
@@ -31,18 +32,18 @@ results, bytes from each rank's ``RankResult.bytes_moved`` summed over ranks.
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import logging
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
+from .device_pool import DevicePool
 from .host_tier import HostTier
 from .late_tasks import Quarantine, bytes_moved, outcome
-from .tiers import TIERS, CapacityError, Lease, TierStats
 from .storage_writes import StorageWrite, StorageWrites
-from .write_policy import WRITE_POLICIES, WritePolicyMixin, bounce_blocks_for, check_write_policy
+from .tiers import TIERS, CapacityError, Lease, TierStats
+from .write_policy import WRITE_POLICIES, WritePolicy, bounce_blocks_for, check_write_policy
 
 if TYPE_CHECKING:
     from .service import CacheTransferService
@@ -52,7 +53,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["TIERS", "WRITE_POLICIES", "CapacityError", "Lease", "TierStats", "TieredPrefixCache"]
 
 
-class TieredPrefixCache(WritePolicyMixin):
+class TieredPrefixCache:
     def __init__(self, service: "CacheTransferService", num_device_blocks: int, num_host_blocks: int, *,
                  write_policy: str = "write_through", write_threshold: int = 2, use_storage: bool = True,
                  task_timeout: float = 30.0, release_wait: float | None = None, bounce_blocks: int | None = None):
@@ -75,57 +76,50 @@ class TieredPrefixCache(WritePolicyMixin):
         self.release_wait = task_timeout + 10.0 if release_wait is None else release_wait
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
-        self._dev_free: collections.deque[int] = collections.deque(range(num_device_blocks - bounce_blocks))
-        self._dev_by_hash: dict[str, int] = {}
-        self._dev_hash: dict[int, str] = {}
-        self._refs: collections.Counter = collections.Counter()
-        self._dev_lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unpinned
+        self._pool = DevicePool(num_device_blocks, bounce_blocks)
         self._host = HostTier(num_host_blocks)
-        self._stored: set[str] = set()  # hashes this engine knows are in storage
         self._writes = StorageWrites()
         self._quarantine = Quarantine()
         self.stats = TierStats()
-        self._init_write_policy(write_policy, write_threshold, range(num_device_blocks - bounce_blocks,
-                                                                     num_device_blocks))
+        self._policy = WritePolicy(write_policy, write_threshold, service=service, pool=self._pool,
+                                   writes=self._writes, stats=self.stats, task_timeout=task_timeout,
+                                   use_storage=use_storage, release_wait=self.release_wait, hold=self._hold,
+                                   wait_for=lambda until: self._settle(self.release_wait, until))
 
-    # ------------------------------------------------------------------ pins
-    def _pin(self, block: int) -> None:
-        self._refs[block] += 1
-        self._dev_lru.pop(block, None)
+    @property
+    def write_policy(self) -> str:
+        return self._policy.policy
 
-    def _unpin(self, block: int) -> None:
-        self._refs[block] -= 1
-        if self._refs[block] <= 0:
-            del self._refs[block]
-            if block in self._dev_hash:
-                self._dev_lru[block] = None  # cached: most recently used at the end
-            else:
-                self._free_block(block)
+    @property
+    def write_threshold(self) -> int:
+        return self._policy.threshold
+
+    @property
+    def stored_hashes(self) -> frozenset[str]:
+        """The block hashes this engine knows are in storage (read-only)."""
+        return self._policy.stored_hashes()
 
     def pinned(self, block: int) -> bool:
-        return self._refs[block] > 0
+        return self._pool.pinned(block)
 
     # ------------------------------------------------------------------ quarantine and reaping
     def _hold(self, future: Future, blocks: Iterable[int], slots: Iterable[int], what: str) -> None:
         """Keep ``blocks``/``slots`` of a failed or late task out of circulation until it is released.
         The caller has already taken them out of every free list, LRU and pin count."""
         blocks, slots = list(blocks), list(slots)
-        if not self._quarantine.hold(future, blocks, slots, what):
-            for block in blocks:  # released already: nothing can touch them any more
-                self._free_block(block)
+        if self._quarantine.hold(future, blocks, slots, what):
+            self.stats.add(quarantined_blocks=len(blocks), quarantined_slots=len(slots))
+        else:  # released already: nothing can touch them any more
+            self._pool.free(blocks)
             self._host.free(slots)
-        self.stats.quarantined_blocks = self._quarantine.blocks_held
-        self.stats.quarantined_slots = self._quarantine.slots_held
 
     def reap(self) -> None:
         """Unpin the blocks of finished and released writes; give released quarantined blocks
         and slots back to the free lists.  Never waits."""
         blocks, slots = self._quarantine.reap()
-        for block in blocks:
-            self._free_block(block)
+        self._pool.free(blocks)
         self._host.free(slots)
-        for w in self._writes.take_over():
-            self._finish_write(w)
+        self._policy.reap_writes()
 
     def reap_writes(self, wait: bool = False) -> None:
         """``reap()``; with ``wait``, first wait (bounded by ``release_wait``) for every storage write
@@ -157,38 +151,35 @@ class TieredPrefixCache(WritePolicyMixin):
         return False
 
     # ------------------------------------------------------------------ allocation and eviction
-    def _available(self) -> int:
-        return len(self._dev_free) + len(self._dev_lru)
-
     def _allocate(self, n: int) -> list[int]:
         self.reap()
-        if n > self._available():
-            self._settle(self.release_wait, lambda: n <= self._available())
-        if n > self._available():
+        if n > self._pool.available():
+            self._settle(self.release_wait, lambda: n <= self._pool.available())
+        if n > self._pool.available():
             raise self._capacity_error(n)
         out: list[int] = []
         while True:
-            out += [self._dev_free.popleft() for _ in range(min(n - len(out), len(self._dev_free)))]
+            out += self._pool.take_free(n - len(out))
             if len(out) == n:
                 return out
-            if self._dev_lru:
-                got, writes = self._evict(min(n - len(out), len(self._dev_lru)))
+            if self._pool.cached_count():
+                got, writes = self._evict(min(n - len(out), self._pool.cached_count()))
                 out += got
                 # write_back: dropped blocks are usable once their writes are done and released; a
                 # store that does not answer stops the allocation rather than evict the whole LRU
                 if writes and not self._settle(self.release_wait,
                                                lambda: not self._writes.includes_any(writes)):
-                    self._dev_free.extend(out)
+                    self._pool.free(out)
                     raise self._capacity_error(n, f"write-backs of {sum(len(w.blocks) for w in writes)} evicted "
                                                   f"blocks not released after {self.release_wait:.1f}s")
-            elif not self._settle(self.release_wait, lambda: self._available() > 0):
-                self._dev_free.extend(out)
+            elif not self._settle(self.release_wait, lambda: self._pool.available() > 0):
+                self._pool.free(out)
                 raise self._capacity_error(n)
 
     def _capacity_error(self, n: int, why: str = "") -> CapacityError:
         counts = self.block_counts()
         return CapacityError(
-            f"needs {n} device blocks, {why or f'only {self._available()} of {self.num_device_blocks} are unpinned'} "
+            f"needs {n} device blocks, {why or f'only {self._pool.available()} of {self.num_device_blocks} are unpinned'} "
             f"({counts['pinned']} pinned, {counts['writing']} of them by storage writes in flight; "
             f"{counts['quarantined']} quarantined until late tasks release them)")
 
@@ -196,12 +187,10 @@ class TieredPrefixCache(WritePolicyMixin):
         """Evict the ``n`` least recently used cached blocks, swapping them out to host if it has room
         (the host LRU gives up its oldest entries).  Returns the blocks usable now, and the write-backs
         that pin the others (write_back: a dropped block is written first)."""
-        victims = [self._dev_lru.popitem(last=False)[0] for _ in range(n)]
-        hashes = [self._dev_hash.pop(b) for b in victims]
-        for h in hashes:
-            del self._dev_by_hash[h]
+        evicted = self._pool.evict_oldest(n)
+        victims = [b for b, _ in evicted]
         to_host = []
-        for block, h in zip(victims, hashes):
+        for block, h in evicted:
             if h in self._host:
                 self._host.touch(h)
             else:
@@ -212,11 +201,11 @@ class TieredPrefixCache(WritePolicyMixin):
         if out_gpu:
             future = self.svc.swap_to_cpu(out_gpu, slots, timeout=self.task_timeout)
             ok, _, exc = outcome(future, self.task_timeout + 10)
-            self.stats.bytes_d2h += bytes_moved(future)
+            self.stats.add(bytes_d2h=bytes_moved(future))
             if ok:
                 for (_, h), slot in zip(out, slots):
                     self._host.add(h, slot)
-                self.stats.swap_out_blocks += len(out_gpu)
+                self.stats.add(swap_out_blocks=len(out_gpu))
             else:  # the blocks are dropped, not lost: storage or recompute has them
                 logger.warning("swap-out of %d blocks failed (%s); dropping them", len(out_gpu),
                                exc or "a rank has not released it")
@@ -225,16 +214,16 @@ class TieredPrefixCache(WritePolicyMixin):
                 # no write needs them: writing them can only spoil the slots' copies, which are
                 # never mapped to a hash.
                 self._hold(future, [], slots, f"swap-out to host slots {slots[:4]}")
-                self.stats.dropped_blocks += len(out_gpu)
+                self.stats.add(dropped_blocks=len(out_gpu))
                 dropped = out + dropped
-        self.stats.dropped_blocks += len(victims) - len(out_gpu)
-        return self._leave_device(victims, dropped)
+        self.stats.add(dropped_blocks=len(victims) - len(out_gpu))
+        return self._policy.leave_device(victims, dropped)
 
     def _host_slots(self, n: int) -> list[int]:
         """Up to ``n`` host slots: free ones, then those the host LRU gives up (oldest first)."""
         slots = self._host.take_free(n)
         evicted = self._host.evict_oldest(n - len(slots))
-        return slots + self._leave_host(evicted) if evicted else slots
+        return slots + self._policy.leave_host(evicted) if evicted else slots
 
     # ------------------------------------------------------------------ requests
     def acquire(self, hashes: Sequence[str]) -> Lease:
@@ -245,9 +234,9 @@ class TieredPrefixCache(WritePolicyMixin):
         gpu: list[int] = []
         host_pos: list[int] = []
         for h in hashes:  # the leading run cached on device or host
-            block = self._dev_by_hash.get(h)
+            block = self._pool.block_of(h)
             if block is not None:
-                self._pin(block)
+                self._pool.pin(block)
                 gpu.append(block)
                 sources.append("device")
             elif h in self._host:
@@ -266,10 +255,10 @@ class TieredPrefixCache(WritePolicyMixin):
             self._host.put_back(held)
             for i, s in enumerate(sources):
                 if s == "device":
-                    self._unpin(gpu[i])
+                    self._pool.unpin(gpu[i])
             raise
         for block in fresh:
-            self._refs[block] += 1
+            self._pool.pin(block)
         it = iter(fresh)
         for i in host_pos:
             gpu[i] = next(it)
@@ -287,9 +276,9 @@ class TieredPrefixCache(WritePolicyMixin):
             self._host.put_back(held)
             for block in lease.gpu_blocks:
                 if block >= 0:
-                    self._unpin(block)
+                    self._pool.unpin(block)
             raise
-        self._count_hits(lease)
+        self._policy.count_hits(lease)
         return lease
 
     def _replace(self, lease: Lease, positions: list[int], future: Future, what: str) -> None:
@@ -297,15 +286,13 @@ class TieredPrefixCache(WritePolicyMixin):
         fresh blocks to compute into.  Raises ``CapacityError`` (those positions then hold -1)."""
         old = [lease.gpu_blocks[i] for i in positions]
         for i, block in zip(positions, old):
-            self._refs[block] -= 1  # fresh blocks of this lease: pinned once, by it alone
-            if self._refs[block] <= 0:
-                del self._refs[block]
+            self._pool.unpin_to_limbo(block)  # fresh blocks of this lease: pinned once, by it alone
             lease.gpu_blocks[i] = -1
             lease.sources[i] = "miss"
         self._hold(future, old, [], what)
         fresh = self._allocate(len(old))
         for i, block in zip(positions, fresh):
-            self._refs[block] += 1
+            self._pool.pin(block)
             lease.gpu_blocks[i] = block
 
     def _swap_in(self, lease: Lease, host_pos: list[int], first_uncached: int, held: dict[str, int]) -> int:
@@ -315,13 +302,13 @@ class TieredPrefixCache(WritePolicyMixin):
         slots = [held[lease.hashes[i]] for i in host_pos]
         future = self.svc.swap_to_gpu([lease.gpu_blocks[i] for i in host_pos], slots, timeout=self.task_timeout)
         ok, _, exc = outcome(future, self.task_timeout + 10)
-        self.stats.bytes_h2d += bytes_moved(future)
+        self.stats.add(bytes_h2d=bytes_moved(future))
         if ok:
-            self.stats.swap_in_blocks += len(host_pos)
+            self.stats.add(swap_in_blocks=len(host_pos))
             return first_uncached
         logger.warning("swap-in of %d blocks failed (%s): recomputing from block %d", len(host_pos),
                        exc or "a rank has not released it", host_pos[0])
-        self.stats.failed_loads += len(host_pos)
+        self.stats.add(failed_loads=len(host_pos))
         # A late swap-in still reads these slots and writes these blocks: neither the host copies
         # (a restarted rank's swap space is empty, too) nor the blocks may be used until it is released.
         for i in host_pos:
@@ -337,10 +324,10 @@ class TieredPrefixCache(WritePolicyMixin):
         gpu = lease.gpu_blocks[start:]
         future = self.svc.read_storage(lease.hashes, gpu, start_read_block_idx=start, timeout=self.task_timeout)
         ok, loaded, exc = outcome(future, self.task_timeout + 15)
-        self.stats.bytes_from_storage += bytes_moved(future)
+        self.stats.add(bytes_from_storage=bytes_moved(future))
         if not ok:
             logger.warning("storage read failed (%s): recomputing", exc or "a rank has not released it")
-            self.stats.failed_loads += 1
+            self.stats.add(failed_loads=1)
             self._replace(lease, list(range(start, len(lease.sources))), future,
                           f"storage read into device blocks {gpu[:4]}")
             return
@@ -349,27 +336,25 @@ class TieredPrefixCache(WritePolicyMixin):
             return
         for i in range(start, start + len(loaded)):
             lease.sources[i] = "storage"
-            self._stored.add(lease.hashes[i])
-        self.stats.storage_read_blocks += len(loaded)
+        self._policy.mark_stored(lease.hashes[start:start + len(loaded)])
+        self.stats.add(storage_read_blocks=len(loaded))
 
     def commit(self, lease: Lease) -> None:
         """The request's blocks now hold their contents: make them findable."""
         for h, block in zip(lease.hashes, lease.gpu_blocks):
-            if h not in self._dev_by_hash and block not in self._dev_hash:
-                self._dev_by_hash[h] = block
-                self._dev_hash[block] = h
+            self._pool.commit(h, block)
 
     def release(self, lease: Lease) -> None:
         """Submit the request's writes (write_through, write_through_selective) and unpin its blocks;
         the blocks a write reads stay pinned until it is done and released (a late write must never
         see the engine's next bytes in its blocks)."""
-        if not self._write_at_release(lease):
+        if not self._policy.write_at_release(lease):
             for block in lease.gpu_blocks:
-                self._unpin(block)
+                self._pool.unpin(block)
 
     # ------------------------------------------------------------------ inspection
     def device_block_of(self, block_hash: str) -> int | None:
-        return self._dev_by_hash.get(block_hash)
+        return self._pool.block_of(block_hash)
 
     def host_slot_of(self, block_hash: str) -> int | None:
         return self._host.slot_of(block_hash)
@@ -382,9 +367,7 @@ class TieredPrefixCache(WritePolicyMixin):
         """Where every device block is: free, cached (unpinned, in the LRU), pinned, quarantined, or an
         idle bounce block (write_back); they sum to ``num_device_blocks``.  ``writing``: the pinned
         blocks held by storage writes in flight."""
-        quarantined = len(self._quarantine.blocks())
-        return {"free": len(self._dev_free), "cached": len(self._dev_lru), "pinned": len(self._refs),
-                "quarantined": quarantined, "bounce": len(self._bounce_free),
+        return {**self._pool.counts(), "quarantined": len(self._quarantine.blocks()),
                 "writing": len(self._writes.blocks()),
                 "host_free": self._host.free_count(), "host_cached": self._host.cached_count(),
                 "host_quarantined": len(self._quarantine.slots())}
@@ -394,21 +377,17 @@ class TieredPrefixCache(WritePolicyMixin):
         the old weights must never be served again).  Nothing is written, under any policy.  Writes
         and late tasks are waited for first (bounded); a block a request still holds is an error."""
         self.drain(timeout)
-        held = [b for b, n in self._refs.items() if n > 0]
+        held = self._pool.pinned_blocks()
         if held:
             raise RuntimeError(f"forget_all: requests still hold device blocks {sorted(held)[:8]}")
-        self._dev_free.extend(self._dev_lru)
-        self._dev_lru.clear()
-        self._dev_by_hash.clear()
-        self._dev_hash.clear()
+        self._pool.forget_all()
         self._host.clear()
-        self._stored.clear()  # the storage namespace changed with the weights
-        self._hits.clear()
+        self._policy.forget_all()  # the storage namespace changed with the weights
 
     def drop_host_tier(self) -> None:
         """Forget every host copy (after ``svc.restart_rank``: the new rank's swap space is empty;
         under write_back, what only the host held is lost, never written)."""
         for h in self._host.hashes():
-            if h not in self._dev_by_hash:
-                self._forget(h)
+            if self._pool.block_of(h) is None:
+                self._policy.forget(h)
         self._host.clear()

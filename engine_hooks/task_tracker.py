@@ -1,6 +1,7 @@
 """TaskTracker: the engine side of every task in flight, between submission and the last rank's answer.
 
-It owns the futures the engine holds and resolves them from the ranks' ``RankResult``s:
+It owns the futures the engine holds (``task_future.TaskFuture``) and resolves them from the ranks'
+``RankResult``s:
 
 * with the task's result (DESIGN §3.3) when every rank succeeded: a swap's tuple, for a storage
   task the gpu block ids of the shortest (minimum over ranks) leading run;
@@ -24,7 +25,6 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -32,6 +32,7 @@ from cache_manager.cache_data import CacheStatus
 from cache_manager.cache_tasks import RankResult
 
 from .errors import RankDiedError, ServiceClosed, TaskFailedError, TaskTimeoutError
+from .task_future import TaskFuture
 
 logger = logging.getLogger(__name__)
 
@@ -52,39 +53,6 @@ class Pending:
     unreleased: set[int]  # ranks that may still touch the task's blocks
     results: dict[int, RankResult] = field(default_factory=dict)
     submitted: float = field(default_factory=time.perf_counter)
-
-
-class TaskFuture(Future):
-    """A task's future, running from the start (a submitted task cannot be cancelled).
-
-    ``released`` is done once no rank may still touch the task's blocks.  Nearly every task is
-    released with its answer and nobody asks, so that second Future (a Condition and an RLock to
-    build, a notify to resolve: a few microseconds of every round trip) is made on first access."""
-
-    def __init__(self, released: bool = False):
-        super().__init__()
-        self.set_running_or_notify_cancel()
-        self._released: Future | None = None
-        self._let_go = released
-        self.rank_results: dict[int, RankResult] = {}
-
-    @property
-    def released(self) -> Future:
-        with self._condition:  # the future's own lock: let_go may run on the queue's thread
-            released = self._released
-            if released is None:
-                released = self._released = Future()
-                if self._let_go:
-                    released.set_result(None)
-        return released
-
-    def let_go(self) -> None:
-        """Resolve ``released`` (the tracker, once every rank let go; a second call does nothing)."""
-        with self._condition:
-            self._let_go = True
-            released = self._released
-        if released is not None and not released.done():
-            released.set_result(None)
 
 
 def aggregate(task: dict, results: dict[int, RankResult], tp: int) -> Any:
@@ -183,7 +151,7 @@ class TaskTracker:
         with self.lock:
             pending = self._pending.get(task_id)
             if pending is not None:
-                pending.unreleased -= set(ranks)
+                pending.unreleased.difference_update(ranks)
         self.fail(task_id, RankDiedError(task_id, ranks[0], "is not connected to the queue"), "rank_died")
 
     # ------------------------------------------------------------------ results
@@ -209,7 +177,7 @@ class TaskTracker:
         now = time.perf_counter()
         if self._record_latencies:
             self.latencies_ms.append((now - pending.submitted) * 1e3)
-        pending.future.rank_results = dict(sorted(pending.results.items()))
+        pending.future.set_rank_results(pending.results)
         failures = {r: res.error or "failed" for r, res in pending.results.items() if not res.ok}
         if failures:
             pending.future.set_exception(TaskFailedError(result.task_id, failures))
@@ -249,7 +217,7 @@ class TaskTracker:
             self._busy_locked()
         for tid, p in expired:
             missing = sorted(set(range(self.tp)) - set(p.results))
-            p.future.rank_results = dict(sorted(p.results.items()))
+            p.future.set_rank_results(p.results)
             p.future.set_exception(TaskTimeoutError(tid, missing, p.timeout))
             self._notify(p.task, "timed_out", time.perf_counter() - p.submitted, p.results)
 

@@ -40,3 +40,11 @@ class TierStats:
     bytes_from_storage: int = 0
     quarantined_blocks: int = 0  # device blocks ever held back for a late task
     quarantined_slots: int = 0  # host slots ever held back for a late task
+
+    def add(self, **counts: int) -> None:
+        """Count what moved: ``stats.add(swap_in_blocks=2, bytes_h2d=n)``.  The owners of the
+        counters (the cache and its write policy) count through this, never by assignment."""
+        for name, n in counts.items():
+            if name not in self.__dataclass_fields__:
+                raise AttributeError(f"TierStats has no counter {name!r}")
+            setattr(self, name, getattr(self, name) + n)

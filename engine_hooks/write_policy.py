@@ -32,22 +32,36 @@
   swap space is empty) loses what only the host held.
 
 Every write keeps the device blocks it reads pinned until its future is done *and* released
-(``storage_writes``, reaped by ``reap``); counts come from the futures' results and bytes from the ranks'
-``RankResult.bytes_moved``, as for any task.
+(``storage_writes``, reaped by ``reap_writes``); counts come from the futures' results and bytes from the
+ranks' ``RankResult.bytes_moved``, as for any task.
+
+``WritePolicy`` is a component the cache holds: it owns what this engine knows storage holds and the
+hit counts, and reaches the device pool, the writes in flight and the counters through their methods.
+What belongs to the cache (quarantining a late task's blocks, waiting for blocks to come back) it is
+handed as two callables.
 """
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Callable
 
+from .device_pool import DevicePool
 from .late_tasks import bytes_moved, outcome
-from .storage_writes import StorageWrite
+from .storage_writes import StorageWrite, StorageWrites
+from .tiers import Lease, TierStats
+
+if TYPE_CHECKING:
+    from .service import CacheTransferService
 
 logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_back", "write_through_selective", "none")
 MAX_BOUNCE_BLOCKS = 32
-
+# hold(future, device blocks, host slots, what): keep them out of circulation until the task is released
+Hold = Callable[[Future, list[int], list[int], str], None]
+# wait_for(until): reap writes and late tasks as they finish until until() (bounded); its last value
+WaitFor = Callable[[Callable[[], bool]], bool]
 
 def check_write_policy(write_policy: object, write_threshold: object) -> None:
     if write_policy not in WRITE_POLICIES:
@@ -77,139 +91,164 @@ def bounce_blocks_for(write_policy: str, num_device_blocks: int, num_host_blocks
     return n
 
 
-class WritePolicyMixin:
-    """The policy half of ``TieredPrefixCache``: it shares the cache's tiers, service and stats."""
+class WritePolicy:
+    """Which blocks go to storage, and when (see the module doc)."""
 
-    def _init_write_policy(self, write_policy: str, write_threshold: int, bounce: Iterable[int]) -> None:
-        self.write_policy = write_policy
-        self.write_threshold = write_threshold
-        self._bounce_free = list(bounce)
-        self._bounce_ids = frozenset(self._bounce_free)
+    def __init__(self, policy: str, threshold: int, *, service: "CacheTransferService", pool: DevicePool,
+                 writes: StorageWrites, stats: TierStats, task_timeout: float, use_storage: bool,
+                 release_wait: float, hold: Hold, wait_for: WaitFor):
+        check_write_policy(policy, threshold)
+        self.policy = policy
+        self.threshold = threshold
+        self._svc = service
+        self._pool = pool
+        self._writes = writes
+        self._stats = stats
+        self._task_timeout = task_timeout
+        self._use_storage = use_storage
+        self._release_wait = release_wait  # what wait_for is bounded by, for the log
+        self._hold = hold
+        self._wait_for = wait_for
+        self._stored: set[str] = set()  # hashes this engine knows are in storage
         self._hits: dict[str, int] = {}  # write_through_selective: hits while cached
 
-    # ------------------------------------------------------------------ bookkeeping
-    def _free_block(self, block: int) -> None:
-        """A device block nothing holds any more: back to its pool."""
-        (self._bounce_free if block in self._bounce_ids else self._dev_free).append(block)
+    # ------------------------------------------------------------------ what storage holds
+    def stored_hashes(self) -> frozenset[str]:
+        """The block hashes this engine knows are in storage."""
+        return frozenset(self._stored)
 
+    def mark_stored(self, hashes: list[str]) -> None:
+        """A storage read found ``hashes``."""
+        self._stored.update(hashes)
+
+    def forget(self, block_hash: str) -> None:
+        """The block left device and host."""
+        self._hits.pop(block_hash, None)
+
+    def forget_all(self) -> None:
+        """The storage namespace changed with the weights: nothing known is true any more."""
+        self._stored.clear()
+        self._hits.clear()
+
+    def _unstored(self, block_hash: str) -> bool:
+        return self._use_storage and block_hash not in self._stored
+
+    # ------------------------------------------------------------------ writes
     def _submit_write(self, hashes: list[str], blocks: list[int]) -> StorageWrite:
         """Write ``blocks`` under ``hashes``; the caller has pinned them for the write."""
-        return self._writes.add(self.svc.write_storage(hashes, blocks, timeout=self.task_timeout), blocks, hashes)
+        return self._writes.add(self._svc.write_storage(hashes, blocks, timeout=self._task_timeout), blocks, hashes)
+
+    def reap_writes(self) -> None:
+        """Account the writes that are done and released, and unpin their blocks.  Never waits."""
+        for w in self._writes.take_over():
+            self._finish_write(w)
 
     def _finish_write(self, w: StorageWrite) -> None:
         """Account a write that is done and released (from its result), and unpin its blocks."""
-        self.stats.bytes_to_storage += bytes_moved(w.future)
+        self._stats.add(bytes_to_storage=bytes_moved(w.future))
         try:
             stored = w.future.result(0)
             if not isinstance(stored, list):
                 raise TypeError(f"write resolved to {type(stored).__name__}, expected the stored block ids")
             now_stored = w.hashes[:len(stored)]
-            self.stats.storage_write_blocks += sum(h not in self._stored for h in now_stored)
+            self._stats.add(storage_write_blocks=sum(h not in self._stored for h in now_stored))
             self._stored.update(now_stored)
             for h in now_stored:
-                self._forget(h)
+                self.forget(h)
         except Exception as exc:
             logger.warning("storage write of %d blocks failed: %s", len(w.blocks), exc)
         for block in w.blocks:
-            self._unpin(block)
+            self._pool.unpin(block)
 
-    def _count_hits(self, lease) -> None:
-        if self.write_policy == "write_through_selective":
+    def count_hits(self, lease: Lease) -> None:
+        if self.policy == "write_through_selective":
             for h, source in zip(lease.hashes, lease.sources):
                 if source != "miss" and h not in self._stored:
                     self._hits[h] = self._hits.get(h, 0) + 1
 
-    def _forget(self, block_hash: str) -> None:
-        """The block left device and host."""
-        self._hits.pop(block_hash, None)
-
-    def _unstored(self, block_hash: str) -> bool:
-        return self.use_storage and block_hash not in self._stored
-
     # ------------------------------------------------------------------ at a request's end
-    def _write_at_release(self, lease) -> bool:
+    def write_at_release(self, lease: Lease) -> bool:
         """Submit the request's writes; True when every block of the lease went to a write (the
         caller unpins the rest)."""
-        if not self.use_storage or not lease.hashes:
+        if not self._use_storage or not lease.hashes:
             return False
-        if self.write_policy == "write_through":
+        if self.policy == "write_through":
             if any(h not in self._stored for h in lease.hashes):
                 self._submit_write(list(lease.hashes), list(lease.gpu_blocks))
                 return True
-        elif self.write_policy == "write_through_selective":
+        elif self.policy == "write_through_selective":
             writing = self._writes.hashes()
             pos = [i for i, (h, b) in enumerate(zip(lease.hashes, lease.gpu_blocks))
-                   if self._hits.get(h, 0) >= self.write_threshold and h not in self._stored
-                   and h not in writing and self._dev_by_hash.get(h) == b]  # committed: the request's bytes
+                   if self._hits.get(h, 0) >= self.threshold and h not in self._stored
+                   and h not in writing and self._pool.block_of(h) == b]  # committed: the request's bytes
             if pos:
                 self._submit_write([lease.hashes[i] for i in pos], [lease.gpu_blocks[i] for i in pos])
                 held = set(pos)
                 for i, block in enumerate(lease.gpu_blocks):
                     if i not in held:
-                        self._unpin(block)
+                        self._pool.unpin(block)
                 return True
         return False
 
     # ------------------------------------------------------------------ write_back
-    def _leave_device(self, victims: list[int], dropped: list[tuple[int, str]]) -> tuple[list[int], list[StorageWrite]]:
+    def leave_device(self, victims: list[int], dropped: list[tuple[int, str]]) -> tuple[list[int], list[StorageWrite]]:
         """``dropped`` (block, hash) left device without reaching host.  Returns the victims usable
         now and the write-backs that pin the others."""
         for _, h in dropped:
-            self._forget(h)
-        if self.write_policy != "write_back":
+            self.forget(h)
+        if self.policy != "write_back":
             return victims, []
         dirty = [(b, h) for b, h in dropped if self._unstored(h)]
         if not dirty:
             return victims, []
         blocks = [b for b, _ in dirty]
         for block in blocks:
-            self._refs[block] += 1
+            self._pool.pin(block)
         w = self._submit_write([h for _, h in dirty], blocks)
         held = set(blocks)
         return [b for b in victims if b not in held], [w]
 
-    def _leave_host(self, evicted: list[tuple[str, int]]) -> list[int]:
+    def leave_host(self, evicted: list[tuple[str, int]]) -> list[int]:
         """The host LRU gave up ``evicted`` (hash, slot): write back those only it held, through
         bounce blocks.  Returns the slots free to reuse now."""
         usable, dirty = [], []
         for h, slot in evicted:
-            if h in self._dev_by_hash:  # still cached on device
+            if self._pool.block_of(h) is not None:  # still cached on device
                 usable.append(slot)
                 continue
-            self._forget(h)
-            if self.write_policy == "write_back" and self._bounce_ids and self._unstored(h):
+            self.forget(h)
+            if self.policy == "write_back" and self._pool.has_bounce_blocks() and self._unstored(h):
                 dirty.append((h, slot))
             else:
                 usable.append(slot)
         while dirty:
-            if not self._bounce_free:
-                self._settle(self.release_wait, lambda: bool(self._bounce_free))
-            if not self._bounce_free:
+            if not self._pool.bounce_free_count():
+                self._wait_for(lambda: self._pool.bounce_free_count() > 0)
+            if not self._pool.bounce_free_count():
                 logger.warning("write-back: no bounce block came free in %.0fs; %d host blocks dropped unwritten",
-                               self.release_wait, len(dirty))
-                self.stats.dropped_blocks += len(dirty)
+                               self._release_wait, len(dirty))
+                self._stats.add(dropped_blocks=len(dirty))
                 usable += [s for _, s in dirty]
                 break
-            k = min(len(dirty), len(self._bounce_free))
-            group, dirty = dirty[:k], dirty[k:]
-            bounce = [self._bounce_free.pop() for _ in range(k)]
+            bounce = self._pool.take_bounce(len(dirty))
+            group, dirty = dirty[:len(bounce)], dirty[len(bounce):]
             usable += self._write_back_slots([h for h, _ in group], [s for _, s in group], bounce)
         return usable
 
     def _write_back_slots(self, hashes: list[str], slots: list[int], bounce: list[int]) -> list[int]:
         """Swap ``slots`` into ``bounce`` blocks, then write them from there.  Returns the slots
         reusable now (none if the swap-in failed: they and the bounce blocks wait for its release)."""
-        future = self.svc.swap_to_gpu(bounce, slots, timeout=self.task_timeout)
-        ok, _, exc = outcome(future, self.task_timeout + 10)
-        self.stats.bytes_h2d += bytes_moved(future)
+        future = self._svc.swap_to_gpu(bounce, slots, timeout=self._task_timeout)
+        ok, _, exc = outcome(future, self._task_timeout + 10)
+        self._stats.add(bytes_h2d=bytes_moved(future))
         if not ok:
             logger.warning("write-back: swap-in of %d host blocks failed (%s); they are dropped unwritten",
                            len(slots), exc or "a rank has not released it")
-            self.stats.dropped_blocks += len(slots)
+            self._stats.add(dropped_blocks=len(slots))
             self._hold(future, bounce, slots, f"write-back swap-in from host slots {slots[:4]}")
             return []
-        self.stats.swap_in_blocks += len(slots)
+        self._stats.add(swap_in_blocks=len(slots))
         for block in bounce:
-            self._refs[block] += 1
+            self._pool.pin(block)
         self._submit_write(hashes, bounce)
         return slots

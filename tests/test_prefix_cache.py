@@ -209,7 +209,7 @@ def test_a_write_in_flight_keeps_its_blocks_until_every_rank_released_it(svc2, m
     assert cache.stats.storage_write_blocks == 0, "nothing was stored on every rank"
     per_rank = block_bytes_all_ranks(svc2) // 2
     assert cache.stats.bytes_to_storage in (0, 2 * per_rank), "only rank 0 can have stored anything"
-    assert a[0] not in cache._stored
+    assert a[0] not in cache.stored_hashes
     assert_accounted(cache)
 
 
