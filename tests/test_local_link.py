@@ -20,8 +20,8 @@ from cache_manager.queue import wire
 from cache_manager.cache_tasks import RankResult
 from cache_manager.queue.server import EngineCacheQueueServer
 from cache_manager.queue.local_link import LENGTH, FrameStream, LinkClosed
-from tests import test_queue_hardening as hardening
-from tests.test_queue_hardening import SECRET, Rank
+from tests import queue_helpers as hardening
+from tests.queue_helpers import SECRET, Rank
 
 TIMEOUT = 10.0
 

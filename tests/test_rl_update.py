@@ -44,7 +44,7 @@ def swap_round_trip_is_exact(svc, block: int, slot: int, into: int) -> bool:
 def latched_direct_service(tmp_path, **kw):
     """TP=2 CTMs on the latched file store (``tests/latched_store.py``) with direct reads, storing
     for a model at RL-STEP1: ``(service, latch, model directory)``."""
-    from tests.test_fault_matrix import PLUGIN_ENV, Latch
+    from tests.fault_helpers import PLUGIN_ENV, Latch
 
     latch = Latch(tmp_path / "latch")
     model = tmp_path / "model"

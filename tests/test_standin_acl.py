@@ -1,18 +1,16 @@
-"""Unit tests of the pyACL contract stand-in (tests/standins/acl), fast, in-process plus one two-process test.
+"""Unit tests of the pyACL contract stand-in (tests/standins/acl), fast and in-process.
 
 The stand-in must behave as documented pyACL does and refuse what CANN forbids; these tests pin
 that contract: bit-exact H2D/D2H/D2D round trips, asynchronous copies that land only at
 synchronize, the batched copy and its not-supported knob, device pointers the host cannot
-dereference, the kind/range/dest_max/alignment checks, the per-thread device, IPC across two
-processes (pid validation on and off, importers close first) and the per-process call counts.
+dereference, the kind/range/dest_max/alignment checks, the per-thread device and the per-process
+call counts.  IPC across two processes is in test_standin_acl_ipc.py.
 """
 from __future__ import annotations
 
 import ctypes
 import json
 import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -20,16 +18,7 @@ from typing import Any, Iterator
 
 import pytest
 
-STANDINS = Path(__file__).parent / "standins"
-DEVICE_BYTES = 64 << 20
-N = 64 << 10
-D2H, H2D, D2D, H2H = 2, 1, 3, 0
-
-
-def _purge_acl() -> None:
-    for name in list(sys.modules):
-        if name == "acl" or name.startswith("acl."):
-            del sys.modules[name]
+from tests.standin_acl_helpers import D2D, D2H, DEVICE_BYTES, H2D, H2H, N, acl_standin, get, ok, pattern, put
 
 
 @pytest.fixture
@@ -40,38 +29,7 @@ def root(tmp_path: Path) -> Path:
 @pytest.fixture
 def acl(monkeypatch: pytest.MonkeyPatch, root: Path) -> Iterator[ModuleType]:
     """The stand-in as ``acl``, initialised, this thread on device 0; forgotten after the test."""
-    monkeypatch.syspath_prepend(str(STANDINS))
-    monkeypatch.setenv("ACL_STANDIN_DIR", str(root))
-    monkeypatch.setenv("ACL_STANDIN_DEVICE_BYTES", str(DEVICE_BYTES))
-    _purge_acl()
-    import acl as module
-    assert module.init() == 0
-    assert module.rt.set_device(0) == 0
-    try:
-        yield module
-    finally:
-        monkeypatch.setenv("ACL_STANDIN_DIR", str(root))  # a test may have broken the set-up on purpose
-        (root / "faults.json").unlink(missing_ok=True)
-        module.finalize()
-        _purge_acl()
-
-
-def ok(result: tuple[Any, int]) -> Any:
-    value, ret = result
-    assert ret == 0, f"aclError {ret}"
-    return value
-
-
-def pattern(n: int, seed: int = 1) -> bytes:
-    return bytes((i * 7 + seed * 13 + (i >> 8)) & 0xFF for i in range(n))
-
-
-def put(ptr: int, data: bytes) -> None:
-    ctypes.memmove(ptr, data, len(data))
-
-
-def get(ptr: int, n: int) -> bytes:
-    return ctypes.string_at(ptr, n)
+    yield from acl_standin(monkeypatch, root)
 
 
 def knobs(root: Path, **values: Any) -> None:
@@ -325,87 +283,3 @@ def test_a_broken_faults_file_raises(acl: ModuleType, root: Path) -> None:
     knobs(root, batch_unsupported=True)
     with pytest.raises(ValueError, match="batch_unsupported"):
         acl.rt.get_device()
-
-
-# -- IPC across two processes ------------------------------------------------------------
-IMPORTER = r"""
-import ctypes, json, sys
-import acl
-assert acl.init() == 0 and acl.rt.set_device(0) == 0
-print(json.dumps({"pid": acl.rt.device_get_bare_tgid()[0]}), flush=True)
-for line in sys.stdin:
-    cmd = json.loads(line)
-    if cmd["op"] == "import":
-        n = cmd["n"]
-        ptr, ret = acl.rt.ipc_mem_import_by_key(cmd["key"], 0)
-        out = {"ret": ret}
-        if ret == 0:
-            host, _ = acl.rt.malloc_host(n)
-            out["read"] = acl.rt.memcpy(host, n, ptr, n, 2)
-            out["data"] = ctypes.string_at(host, n).hex()
-            ctypes.memset(host, 0x3C, n)
-            out["write"] = acl.rt.memcpy(ptr, n, host, n, 1)
-            out["foreign"] = acl.rt.memcpy(host, n, cmd["exporter_ptr"], n, 2)
-    else:
-        out = {"ret": acl.rt.ipc_mem_close(cmd["key"])}
-    print(json.dumps(out), flush=True)
-"""
-
-
-class Importer:
-    def __init__(self, root: Path) -> None:
-        env = dict(os.environ, PYTHONPATH=str(STANDINS), ACL_STANDIN_DIR=str(root),
-                   ACL_STANDIN_DEVICE_BYTES=str(DEVICE_BYTES))
-        self.proc = subprocess.Popen([sys.executable, "-c", IMPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env, text=True)
-        self.pid = self._read()["pid"]
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, f"importer exited with {self.proc.wait()}"
-        return json.loads(line)
-
-    def ask(self, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        assert self.proc.wait(timeout=30) == 0
-
-
-def test_ipc_across_processes(acl: ModuleType, root: Path) -> None:
-    data = pattern(N, seed=5)
-    dev, host = ok(acl.rt.malloc(N, 0)), ok(acl.rt.malloc_host(N))
-    put(host, data)
-    assert acl.rt.memcpy(dev, N, host, N, H2D) == 0
-    child = Importer(root)
-    try:
-        # pid validation off: any process may import
-        key = ok(acl.rt.ipc_mem_get_export_key(dev, N, 65, acl.ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION))
-        out = child.ask(op="import", key=key, n=N, exporter_ptr=dev)
-        assert out["ret"] == 0 and out["read"] == 0 and bytes.fromhex(out["data"]) == data
-        assert out["write"] == 0
-        assert out["foreign"] == acl.ACL_ERROR_RT_PARAM_INVALID  # the exporter's address means nothing there
-        assert acl.rt.memcpy(host, N, dev, N, D2H) == 0 and get(host, N) == b"\x3c" * N  # same memory
-        # importers close first
-        assert acl.rt.ipc_mem_close(key) == acl.ACL_ERROR_RT_IPC_ERROR
-        assert acl.rt.free(dev) == acl.ACL_ERROR_RT_MEMORY_FREE
-        assert child.ask(op="close", key=key)["ret"] == 0
-        assert child.ask(op="close", key=key)["ret"] == acl.ACL_ERROR_RT_INVALID_HANDLE
-        assert acl.rt.ipc_mem_close(key) == 0
-        assert child.ask(op="import", key=key, n=N, exporter_ptr=dev)["ret"] == acl.ACL_ERROR_RT_INVALID_HANDLE
-        # pid validation on: only whitelisted pids import
-        key = ok(acl.rt.ipc_mem_get_export_key(dev, N, 65, acl.ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT))
-        assert child.ask(op="import", key=key, n=N, exporter_ptr=dev)["ret"] == acl.ACL_ERROR_RT_NO_PERMISSION
-        assert acl.rt.ipc_mem_set_import_pid(key, [child.pid]) == 0
-        assert child.ask(op="import", key=key, n=N, exporter_ptr=dev)["ret"] == 0
-        assert child.ask(op="close", key=key)["ret"] == 0
-        assert acl.rt.ipc_mem_close(key) == 0
-        assert acl.rt.free(dev) == 0
-    finally:
-        child.close()

@@ -1,76 +1,31 @@
 """Unit tests of the AttentionStore SDK contract stand-in (``tests/standins/attentionstore_sdk``).
 
 Fast and in-process: numpy buffers play the device caches (a pointer is ``arr.ctypes.data``), the
-stand-in's directory is the test's ``tmp_path``.  They pin what the stand-in enforces (the documented
-API and its rejections), its on-disk layout and its fault knobs.
+stand-in's directory is the test's ``tmp_path``.  They pin its round trips, the identity that names
+a block, its on-disk layout and its fault knobs; what it rejects is in
+test_standin_attentionstore_rejections.py.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import struct
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
-import numpy as np
 import pytest
 
-STANDINS = Path(__file__).resolve().parent / "standins"
-BTS = 4  # block_token_size
-BPB = 16  # bytes_per_shard_layer_per_block
-LAYERS = 2
-GPU_BLOCKS = 8
-
-
-def _purge() -> None:
-    for name in list(sys.modules):
-        if name == "attentionstore_sdk" or name.startswith("attentionstore_sdk."):
-            del sys.modules[name]
+from tests.standin_attentionstore_helpers import (BPB, BTS, LAYERS, attentionstore_standin, caches, make, ptrs,
+                                                  toks)
 
 
 @pytest.fixture
 def m(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[SimpleNamespace]:
     """The stand-in's modules, freshly imported (per-process call counters start at 0)."""
-    _purge()
-    monkeypatch.syspath_prepend(str(STANDINS))
-    monkeypatch.setenv("ATTENTIONSTORE_STANDIN_DIR", str(tmp_path))
-    import attentionstore_sdk.api.common.common_pb2 as common_pb2
-    import attentionstore_sdk.sdk as sdk
-    from attentionstore_sdk.utils.err import AttentionStoreSDKError
-
-    yield SimpleNamespace(sdk=sdk, Tokens=sdk.Tokens, SDK=sdk.AttentionStoreSDK, Error=AttentionStoreSDKError,
-                          pb2=common_pb2, root=tmp_path)
-    _purge()
-
-
-ARGS = {"namespace": "ns", "pod_name": "pod-a", "model_version": "v1", "shard_id": 0, "shard_num": 1,
-        "layer_num": LAYERS, "block_token_size": BTS, "bytes_per_shard_layer_per_block": BPB, "device_id": 0,
-        "dp_id": 0}
-
-
-def make(m: SimpleNamespace, **overrides: Any) -> Any:
-    return m.SDK(*{**ARGS, **overrides}.values())
-
-
-def caches(fill: int | None = None, seed: int = 0, layers: int = LAYERS, bpb: int = BPB) -> list[np.ndarray]:
-    """One "device cache" per layer: GPU_BLOCKS blocks of ``bpb`` bytes, random or filled."""
-    if fill is not None:
-        return [np.full((GPU_BLOCKS, bpb), fill, dtype=np.uint8) for _ in range(layers)]
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size=(GPU_BLOCKS, bpb), dtype=np.uint8) for _ in range(layers)]
-
-
-def ptrs(arrs: list[np.ndarray]) -> list[int]:
-    return [int(a.ctypes.data) for a in arrs]
-
-
-def toks(m: SimpleNamespace, n_blocks: int, base: int = 100, extra: int = 0, bts: int = BTS) -> Any:
-    return m.Tokens(list(range(base, base + n_blocks * bts + extra)), bts)
+    yield from attentionstore_standin(monkeypatch, tmp_path)
 
 
 def write_faults(m: SimpleNamespace, faults: dict) -> None:
@@ -335,129 +290,3 @@ def test_faults_file_empty_or_malformed(m: SimpleNamespace) -> None:
         (m.root / "faults.json").write_text(bad)
         with pytest.raises(ValueError):
             sdk.match(tokens, 0, 1)
-
-
-# ---------------------------------------------------------------------------------------- rejections
-def _rejections(m: SimpleNamespace, sdk: Any, k: list[int], v: list[int]) -> list[tuple[str, str, Callable[[], Any]]]:
-    """(case, the argument the message must name, the call); ``k``/``v`` are valid cache pointers."""
-    t3 = toks(m, 3, extra=1)
-
-    def rd(layer_ids: Any = (0, 1), tokens: Any = t3, start: Any = 0, kp: Any = None, vp: Any = None,
-           ids: Any = (0, 1, 2), timeout: Any = 5.0) -> list[Any]:
-        args = [list(layer_ids) if isinstance(layer_ids, tuple) else layer_ids, tokens, start,
-                k if kp is None else kp, v if vp is None else vp, list(ids) if isinstance(ids, tuple) else ids,
-                timeout]
-        return args
-
-    transfers = [
-        ("k_ptrs short", "k_ptrs", rd(kp=k[:1])),
-        ("k_ptrs empty", "k_ptrs", rd(kp=[])),
-        ("k_ptrs tuple", "k_ptrs", rd(kp=tuple(k))),
-        ("k_ptr zero", "k_ptrs", rd(kp=[0, k[1]])),
-        ("v_ptrs short", "v_ptrs", rd(vp=v[:1])),
-        ("v_ptrs long", "v_ptrs", rd(vp=v + v[:1])),
-        ("v_ptr negative", "v_ptrs", rd(vp=[v[0], -1])),
-        ("layer out of range", "layer_ids", rd(layer_ids=[0, LAYERS])),
-        ("layer negative", "layer_ids", rd(layer_ids=[-1, 0])),
-        ("layer bool", "layer_ids", rd(layer_ids=[False, True])),
-        ("duplicate layers", "layer_ids", rd(layer_ids=[1, 1])),
-        ("no layers", "layer_ids", rd(layer_ids=[], kp=[], vp=[])),
-        ("layer_ids tuple", "layer_ids", rd(layer_ids=range(2))),
-        ("start+n past the tokens", "start_block_idx", rd(start=1)),
-        ("n past the tokens", "start_block_idx", rd(ids=(0, 1, 2, 3))),
-        ("start negative", "start_block_idx", rd(start=-1)),
-        ("start float", "start_block_idx", rd(start=0.0)),
-        ("tokens a list", "tokens", rd(tokens=list(range(12)))),
-        ("block_token_size mismatch", "tokens", rd(tokens=m.Tokens(list(range(24)), 2 * BTS))),
-        ("gpu_block_ids empty", "gpu_block_ids", rd(ids=())),
-        ("gpu_block_id negative", "gpu_block_ids", rd(ids=(0, -1, 2))),
-        ("gpu_block_ids numpy", "gpu_block_ids", rd(ids=np.arange(3))),
-        ("timeout zero", "timeout", rd(timeout=0)),
-        ("timeout nan", "timeout", rd(timeout=math.nan)),
-        ("timeout inf", "timeout", rd(timeout=math.inf)),
-        ("timeout bool", "timeout", rd(timeout=True)),
-        ("timeout str", "timeout", rd(timeout="5")),
-    ]
-    cases = [(f"{method} {case}", argument, lambda f=getattr(sdk, method), a=args: f(*a))
-             for case, argument, args in transfers for method in ("read", "write")]
-    return cases + [
-        ("match non-Tokens", "tokens", lambda: sdk.match([1, 2, 3, 4], 0, 5)),
-        ("match bts mismatch", "tokens", lambda: sdk.match(m.Tokens(list(range(8)), 2), 0, 5)),
-        ("match start past the tokens", "start_block_idx", lambda: sdk.match(t3, 4, 5)),
-        ("match start negative", "start_block_idx", lambda: sdk.match(t3, -1, 5)),
-        ("match timeout negative", "timeout", lambda: sdk.match(t3, 0, -1.0)),
-    ]
-
-
-def test_every_rejection_names_its_argument_and_stores_nothing(m: SimpleNamespace) -> None:
-    sdk = make(m)
-    k, v = caches(fill=0), caches(fill=0)
-    cases = _rejections(m, sdk, ptrs(k), ptrs(v))
-    for case, argument, call in cases:
-        with pytest.raises(m.Error) as info:
-            call()
-        assert argument in str(info.value), (case, str(info.value))
-    assert not [p for p in (m.root / "data").rglob("*") if p.is_file()]
-
-
-def test_positional_only_and_no_extra_arguments(m: SimpleNamespace) -> None:
-    with pytest.raises(TypeError):
-        m.SDK(**ARGS)
-    with pytest.raises(TypeError):
-        m.SDK(*ARGS.values(), 0)  # the CUDA build's extra arguments are not this SDK's
-    sdk = make(m)
-    tokens = toks(m, 1)
-    with pytest.raises(TypeError):
-        sdk.match(tokens=tokens, start_block_idx=0, timeout=1)
-    with pytest.raises(TypeError):
-        sdk.read([0], tokens, 0, [1], [], [0], 1, remote_addrs=None)
-
-
-@pytest.mark.parametrize(("name", "value"), [
-    ("namespace", ""), ("namespace", "n" * 128), ("namespace", b"ns"), ("pod_name", ""), ("pod_name", None),
-    ("model_version", "v" * 200), ("model_version", 1), ("shard_id", -1), ("shard_id", 1), ("shard_id", True),
-    ("shard_num", 0), ("shard_num", 1.0), ("layer_num", 0), ("layer_num", "2"), ("block_token_size", 0),
-    ("block_token_size", -4), ("bytes_per_shard_layer_per_block", 0), ("device_id", -1), ("device_id", None),
-    ("dp_id", -1), ("dp_id", False),
-])
-def test_constructor_rejects(m: SimpleNamespace, name: str, value: Any) -> None:
-    with pytest.raises(m.Error) as info:
-        make(m, **{name: value})
-    assert name in str(info.value)
-
-
-def test_constructor_limits_and_directory(m: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
-    make(m, namespace="n" * 127, pod_name="p" * 127, model_version="v" * 127, shard_id=3, shard_num=4)
-    monkeypatch.delenv("ATTENTIONSTORE_STANDIN_DIR")
-    with pytest.raises(m.Error, match="ATTENTIONSTORE_STANDIN_DIR"):
-        make(m)
-
-
-@pytest.mark.parametrize(("ids", "bts"), [([], 4), ((1, 2, 3, 4), 4), ([1, True], 1), ([1, 2.0], 1),
-                                          ([2 ** 63], 1), ([1, 2], 0), ([1, 2], True), ([1, 2], 2.0)])
-def test_tokens_rejects(m: SimpleNamespace, ids: Any, bts: Any) -> None:
-    with pytest.raises(m.Error, match="token_ids|block_token_size"):
-        m.Tokens(ids, bts)
-
-
-def test_flush_token_index(m: SimpleNamespace) -> None:
-    sdk = make(m)
-    tokens = toks(m, 2)
-    pb2 = m.pb2
-    assert (pb2.MEDIA_HBM, pb2.MEDIA_DRAM, pb2.MEDIA_SSD) == (1, 2, 3)
-    assert sdk.flush_token_index([0, 1], tokens, 0, None, pb2.MEDIA_HBM) is None
-    assert sdk.flush_token_index([0, 1], tokens, 2, pb2.MEDIA_HBM, None) is None
-    assert sdk.flush_token_index([1], tokens, 1, pb2.MEDIA_DRAM, pb2.MEDIA_SSD) is None
-    for args, argument in [(([0, 1], tokens, 0, None, None), "src_media"),
-                           (([0, 1], tokens, 0, 4, None), "src_media"),
-                           (([0, 1], tokens, 0, None, 0), "dst_media"),
-                           (([0, 1], tokens, 0, None, "HBM"), "dst_media"),
-                           (([0, 2], tokens, 0, None, 1), "layer_ids"),
-                           (([0, 0], tokens, 0, None, 1), "layer_ids"),
-                           (([0, 1], tokens, 3, None, 1), "start_idx"),
-                           (([0, 1], tokens, -1, None, 1), "start_idx"),
-                           (([0, 1], list(range(8)), 0, None, 1), "tokens")]:
-        with pytest.raises(m.Error) as info:
-            sdk.flush_token_index(*args)
-        assert argument in str(info.value)
-    assert sdk.match(tokens, 0, 1) == 0  # a flush stores nothing

@@ -1,15 +1,15 @@
 """Unit tests of the EMS contract stand-in (tests/standins/ems), in-process and fast.
 
-The stand-in must behave as the documented Huawei EMS SDK (ContextCaching V1) does and reject
-what it rejects; these tests pin that contract: hash-addressed save/load/exists over registered
-paddle CPU tensors, the leading-consecutive ``CcResult``, every ``EMS_INVALID_ARGUMENT`` case, the
-async futures and the fault knobs of ``$EMS_STANDIN_DIR/faults.json``.
+The stand-in must behave as the documented Huawei EMS SDK (ContextCaching V1) does; these tests pin
+that contract: hash-addressed save/load/exists over registered paddle CPU tensors, the
+leading-consecutive ``CcResult``, the async futures and the fault knobs of
+``$EMS_STANDIN_DIR/faults.json``.  What it rejects (every ``EMS_INVALID_ARGUMENT`` case, the
+singleton's life cycle) is in test_standin_ems_rejections.py.
 """
 from __future__ import annotations
 
 import ctypes
 import json
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -18,53 +18,21 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 
-paddle = pytest.importorskip("paddle")
+pytest.importorskip("paddle")
 
-STANDINS = Path(__file__).parent / "standins"
-BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE = 5, 2, 3, 4
-
-
-def _purge_ems() -> None:
-    for name in list(sys.modules):
-        if name == "ems" or name.startswith("ems."):
-            del sys.modules[name]
+from tests.standin_ems_helpers import (BLOCK_SIZE, BLOCKS, block_bytes, ems_standin, setup_cc,  # noqa: E402
+                                       slots_of, status, transfer_args)
 
 
 @pytest.fixture
 def ems(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[ModuleType]:
     """The stand-in as ``ems``, with its data in a fresh directory; the singleton reset after."""
-    monkeypatch.syspath_prepend(str(STANDINS))
-    monkeypatch.setenv("EMS_STANDIN_DIR", str(tmp_path / "ems"))
-    _purge_ems()
-    import ems as module
-    try:
-        yield module
-    finally:
-        module.Ems._reset()
-        _purge_ems()
+    yield from ems_standin(monkeypatch, tmp_path)
 
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     return tmp_path / "ems"
-
-
-def kv_config(ems: ModuleType) -> Any:
-    import ems.cc_v1.cc_config as cc_config
-    return cc_config
-
-
-def tensors(layers: int, per_layer: int, seed: int = 1) -> list[list[Any]]:
-    """Distinct float32 contents in every tensor, [blocks, block_size, heads, head_size]."""
-    n = BLOCKS * BLOCK_SIZE * HEADS * HEAD_SIZE
-    out = []
-    for layer in range(layers):
-        row = []
-        for j in range(per_layer):
-            base = float(seed * 100000 + (layer * per_layer + j) * n)
-            row.append(paddle.arange(base, base + n, dtype="float32").reshape([BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE]))
-        out.append(row)
-    return out
 
 
 def zero(kv: list[list[Any]]) -> None:
@@ -73,38 +41,9 @@ def zero(kv: list[list[Any]]) -> None:
             ctypes.memset(t.data_ptr(), 0, int(t.numel()) * t.element_size())
 
 
-def setup_cc(ems: ModuleType, *, model_id: str = "m", mla: bool = False, layers: int = 2, tp: int = 1,
-             rank: int = 0) -> tuple[Any, list[list[Any]]]:
-    config = ems.CcConfig_v1(rank, rank, model_id, tp, 1, rank, 0, "fastdeploy")
-    if mla:
-        config.kvcache_type = kv_config(ems).KVCacheType.MLA
-    ems.Ems.init(ems.EmsConfig("", "", config))
-    cc = ems.Ems.get_cc()
-    kv = tensors(layers, 1 if mla else 2)
-    cc.register_kvcache(kv)
-    return cc, kv
-
-
-def slots_of(block_ids: list[int]) -> list[int]:
-    return [b * BLOCK_SIZE + o for b in block_ids for o in range(BLOCK_SIZE)]
-
-
-def transfer_args(ems: ModuleType, block_ids: list[int], hashes: list[int], **option: Any) -> tuple:
-    return slots_of(block_ids), hashes, [BLOCK_SIZE] * len(block_ids), ems.CcKvOption(**option)
-
-
-def block_bytes(kv: list[list[Any]], block: int) -> bytes:
-    """A block's bytes as the stand-in stores them: layer-major, K then V, token order."""
-    return b"".join(t.numpy()[block].tobytes() for layer in kv for t in layer)
-
-
 def faults(root: Path, **knobs: Any) -> None:
     root.mkdir(parents=True, exist_ok=True)
     (root / "faults.json").write_text(json.dumps(knobs))
-
-
-def status(exc_info: Any) -> Any:
-    return exc_info.value.status_code()
 
 
 # ---------------------------------------------------------------------- round trips
@@ -207,166 +146,6 @@ def test_mha_blocks_miss_for_an_mla_registration(ems: ModuleType) -> None:
     ems.Ems._reset()
     cc, _ = setup_cc(ems, mla=True)
     assert cc.load(*transfer_args(ems, [0], [1])).success == 0   # other size: a miss, not garbage
-
-
-# ---------------------------------------------------------------------- rejections
-def _bad_transfers(ems: ModuleType) -> dict[str, tuple]:
-    ok = ems.CcKvOption()
-    slots = slots_of([0, 1])
-    return {
-        "sum(offsets) mismatch": (slots, [1, 2], [2, 1], ok),
-        "len(offsets) != len(hashes)": (slots, [1, 2], [2, 1, 1], ok),
-        "empty slot_mapping": ([], [1], [2], ok),
-        "empty hashes": (slots, [], [], ok),
-        "empty offsets": (slots, [1, 2], [], ok),
-        "slot_mapping not a list": (tuple(slots), [1, 2], [2, 2], ok),
-        "float slot": ([0.0, 1, 2, 3], [1, 2], [2, 2], ok),
-        "numpy slot": ([np.int64(0), 1, 2, 3], [1, 2], [2, 2], ok),
-        "bool hash": (slots, [True, 2], [2, 2], ok),
-        "str hash": (slots, ["1", 2], [2, 2], ok),
-        "hash >= 2**64": (slots, [2**64, 2], [2, 2], ok),
-        "hash < -2**63": (slots, [-(2**63) - 1, 2], [2, 2], ok),
-        "negative slot": ([-1, 1, 2, 3], [1, 2], [2, 2], ok),
-        "slot past the caches": ([0, 1, 2, BLOCKS * BLOCK_SIZE], [1, 2], [2, 2], ok),
-        "offset 0": (slots, [1, 2, 3], [2, 2, 0], ok),
-        "offset > block_size": (slots, [1], [4], ok),
-        "option None": (slots, [1, 2], [2, 2], None),
-        "option dict": (slots, [1, 2], [2, 2], {"timeout": 5000}),
-    }
-
-
-@pytest.mark.parametrize("method", ["save", "load", "async_save", "async_load"])
-def test_transfer_rejections(ems: ModuleType, method: str) -> None:
-    cc, kv = setup_cc(ems)
-    before = block_bytes(kv, 0)
-    for case, args in _bad_transfers(ems).items():
-        with pytest.raises(ems.EmsException) as exc:
-            getattr(cc, method)(*args)
-        assert status(exc) == ems.EmsErrorCode.EMS_INVALID_ARGUMENT, case
-    assert block_bytes(kv, 0) == before
-    assert cc.exists([1, 2], ems.CcKvOption()).success == 0
-
-
-def test_exists_rejections(ems: ModuleType) -> None:
-    cc, _ = setup_cc(ems)
-    for hashes, option in (([], ems.CcKvOption()), ((1,), ems.CcKvOption()), ([1.0], ems.CcKvOption()),
-                           ([2**64], ems.CcKvOption()), ([1], None)):
-        with pytest.raises(ems.EmsException) as exc:
-            cc.exists(hashes, option)
-        assert status(exc) == ems.EmsErrorCode.EMS_INVALID_ARGUMENT
-
-
-def test_option_validated_when_built_and_when_used(ems: ModuleType) -> None:
-    for kwargs in ({"timeout": 0}, {"timeout": 1.5}, {"timeout": True}, {"timeout": -5}, {"write_rcache": 1},
-                   {"read_local_only": "no"}):
-        with pytest.raises(ems.EmsException) as exc:
-            ems.CcKvOption(**kwargs)
-        assert status(exc) == ems.EmsErrorCode.EMS_INVALID_ARGUMENT, kwargs
-    cc, _ = setup_cc(ems)
-    option = ems.CcKvOption()
-    option.timeout = 0
-    with pytest.raises(ems.EmsException) as exc:
-        cc.exists([1], option)
-    assert status(exc) == ems.EmsErrorCode.EMS_INVALID_ARGUMENT
-
-
-def test_register_rejections(ems: ModuleType) -> None:
-    cc_config = kv_config(ems)
-    ems.Ems.init(ems.EmsConfig(cc_config_v1=ems.CcConfig_v1(0, 0, "m")))
-    cc = ems.Ems.get_cc()
-    good = paddle.zeros([BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE], dtype="float32")
-    bad = {
-        "empty": [],
-        "not a list": ([good, good],),
-        "inner tuple": [(good, good)],
-        "one tensor for MHA": [[good]],
-        "three tensors": [[good, good, good]],
-        "3-D": [[paddle.zeros([BLOCKS, BLOCK_SIZE, HEADS * HEAD_SIZE]), paddle.zeros([BLOCKS, BLOCK_SIZE, 12])]],
-        "shapes differ": [[good, good], [good, paddle.zeros([BLOCKS, BLOCK_SIZE, HEADS, 8], dtype="float32")]],
-        "dtypes differ": [[good, paddle.zeros([BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE], dtype="int32")]],
-        "element sizes differ": [[good, paddle.zeros([BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE], dtype="float16")]],
-        "not a tensor": [[good, np.zeros([BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE], dtype=np.float32)]],
-    }
-    for case, kvcache in bad.items():
-        with pytest.raises(ems.EmsException) as exc:
-            cc.register_kvcache(kvcache)
-        assert status(exc) == ems.EmsErrorCode.EMS_INVALID_ARGUMENT, case
-    cc.register_kvcache([[good, good]])
-    with pytest.raises(ems.EmsException) as exc:
-        cc.register_kvcache([[good, good]])
-    assert status(exc) == ems.EmsErrorCode.EMS_INVALID_ARGUMENT
-    ems.Ems._reset()
-    config = ems.CcConfig_v1(0, 0, "m")
-    config.kvcache_type = cc_config.KVCacheType.MLA
-    ems.Ems.init(ems.EmsConfig("", "", config))
-    with pytest.raises(ems.EmsException) as exc:
-        ems.Ems.get_cc().register_kvcache([[good, good]])
-    assert status(exc) == ems.EmsErrorCode.EMS_INVALID_ARGUMENT
-
-
-def test_config_rejections(ems: ModuleType) -> None:
-    bad = [((True, 0, "m"), {}), ((-1, 0, "m"), {}), ((0, 0, ""), {}), ((0, 0, 7), {}),
-           ((0, 0, "m"), {"tp_world_size": 2, "rank_in_tp_group": 2}),
-           ((0, 0, "m"), {"pp_world_size": 1, "rank_in_pp_group": 1}), ((0, 0, "m"), {"tp_world_size": 0}),
-           ((0, 0.0, "m"), {}), ((0, 0, "m"), {"llm_engine": None})]
-    for args, kwargs in bad:
-        with pytest.raises(ems.EmsException) as exc:
-            ems.CcConfig_v1(*args, **kwargs)
-        assert status(exc) == ems.EmsErrorCode.EMS_INVALID_ARGUMENT, (args, kwargs)
-    config = ems.CcConfig_v1(0, 0, "m")
-    config.kvcache_type = "MLA"
-    for cfg in (config, None, "m"):
-        with pytest.raises(ems.EmsException) as exc:
-            ems.Ems.init(ems.EmsConfig("", "", cfg))
-        assert status(exc) == ems.EmsErrorCode.EMS_INVALID_ARGUMENT
-    with pytest.raises(ems.EmsException) as exc:
-        ems.Ems.init(ems.CcConfig_v1(0, 0, "m"))
-    assert status(exc) == ems.EmsErrorCode.EMS_INVALID_ARGUMENT
-    assert ems.Ems.get_cc() is None
-
-
-def test_init_needs_the_standin_dir(ems: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("EMS_STANDIN_DIR")
-    with pytest.raises(ems.EmsException) as exc:
-        ems.Ems.init(ems.EmsConfig("", "", ems.CcConfig_v1(0, 0, "m")))
-    assert status(exc) == ems.EmsErrorCode.EMS_INIT_FAILED and "EMS_STANDIN_DIR not set" in str(exc.value)
-    assert ems.Ems.get_cc() is None and ems.Ems.check_health() is False
-
-
-def test_singleton_lifecycle(ems: ModuleType) -> None:
-    assert ems.Ems.get_cc() is None and ems.Ems.check_health() is False
-    config = ems.CcConfig_v1(0, 0, "m")
-    ems.Ems.init(ems.EmsConfig(cc_config=config))
-    cc = ems.Ems.get_cc()
-    assert isinstance(cc, ems.ContextCache_v1) and ems.Ems.check_health() is True
-    with pytest.raises(ems.EmsException) as exc:
-        cc.save(*transfer_args(ems, [0], [1]))
-    assert status(exc) == ems.EmsErrorCode.EMS_NOT_REGISTERED
-    ems.Ems.init(ems.EmsConfig("", "", ems.CcConfig_v1(0, 0, "m")))   # same configuration: same handle
-    assert ems.Ems.get_cc() is cc
-    with pytest.raises(ems.EmsException) as exc:
-        ems.Ems.init(ems.EmsConfig("", "", ems.CcConfig_v1(0, 0, "other")))
-    assert status(exc) == ems.EmsErrorCode.EMS_INIT_FAILED
-    ems.Ems._reset()
-    with pytest.raises(ems.EmsException) as exc:
-        cc.exists([1], ems.CcKvOption())
-    assert status(exc) == ems.EmsErrorCode.EMS_NOT_INITIALIZED
-    with pytest.raises(ems.EmsException) as exc:
-        ems.EmsConfig(cc_config=ems.CcConfig_v1(0, 0, "a"), cc_config_v1=ems.CcConfig_v1(0, 0, "b"))
-    assert status(exc) == ems.EmsErrorCode.EMS_INVALID_ARGUMENT
-
-
-def test_error_codes_and_exception(ems: ModuleType) -> None:
-    codes = ems.EmsErrorCode
-    assert codes.EMS_OK.value == 0
-    for name in ("EMS_INVALID_ARGUMENT", "EMS_TIMEOUT", "EMS_INTERNAL_ERROR", "EMS_INIT_FAILED",
-                 "EMS_NOT_INITIALIZED", "EMS_NOT_REGISTERED", "EMS_UNHEALTHY", "EMS_RECOVERD_ERROR"):
-        assert getattr(codes, name).name == name
-    exc = ems.EmsException(codes.EMS_TIMEOUT, "slow")
-    assert exc.status_code() is codes.EMS_TIMEOUT and "slow" in str(exc) and isinstance(exc, Exception)
-    assert not hasattr(ems, "KVCacheType")   # documented only at ems.cc_v1.cc_config
-    assert kv_config(ems).KVCacheType.MHA != kv_config(ems).KVCacheType.MLA
-    assert ems.CcConfig_v1(0, 0, "m").kvcache_type is kv_config(ems).KVCacheType.MHA
 
 
 # ---------------------------------------------------------------------- fault knobs
