@@ -8,3 +8,6 @@
   parser imports it alone, so this package imports no mover by itself.
 - ``io_threads``: the I/O threads, scatter leases and per-task statistics both movers share.
 """
+
+# Submodules, not names: importing the package must not load a mover (see transfer_modes above).
+__all__ = ["device_mover", "io_threads", "staged_mover", "staging", "transfer_modes"]
