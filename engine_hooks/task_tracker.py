@@ -55,12 +55,27 @@ class Pending:
     submitted: float = field(default_factory=time.perf_counter)
 
 
+STORAGE_EVENTS = (CacheStatus.STORAGE2GPU, CacheStatus.GPU2STORAGE)
+
+
+def value_problem(task: dict, result: RankResult) -> str | None:
+    """Why a successful answer's value cannot be ``aggregate``d for ``task``, or None.  Checked
+    before the task leaves the pending table: a TypeError there would leave its future unresolved
+    with no deadline left to fail it."""
+    if not result.ok or task.get("event_type") not in STORAGE_EVENTS:
+        return None  # a swap's result comes from the task; a control task's values are anything
+    value = result.value
+    if type(value) is list and all(type(v) is int for v in value):
+        return None
+    return f"malformed answer: rank {result.rank} answered a storage task with {value!r:.80}, not a list of block ids"
+
+
 def aggregate(task: dict, results: dict[int, RankResult], tp: int) -> Any:
     """The task's result from every rank's answer (DESIGN §3.3)."""
     event = task.get("event_type")
     if event in (CacheStatus.SWAP2CPU, CacheStatus.SWAP2GPU):
         return (event, task["task_id"], task["swap_node_ids"], task["gpu_block_ids"], task["cpu_block_ids"])
-    if event in (CacheStatus.STORAGE2GPU, CacheStatus.GPU2STORAGE):
+    if event in STORAGE_EVENTS:
         return min((results[r].value for r in range(tp)), key=len)
     return [results[r].value for r in range(tp)]
 
@@ -165,8 +180,15 @@ class TaskTracker:
                 pending.unreleased.discard(result.rank)
             if result.rank in pending.results:
                 return  # a release note after the rank's answer
+            problem = value_problem(pending.task, result)
+            if problem is not None:
+                # The rank's answer counts as its failure, and the task fails now: waiting for
+                # the other ranks would only trade this reason for a timeout.
+                logger.error("task %s: %s", result.task_id, problem)
+                result = RankResult(result.task_id, result.rank, False, error=problem, recv_seq=result.recv_seq,
+                                    elapsed_ms=result.elapsed_ms, released=result.released)
             pending.results[result.rank] = result
-            if len(pending.results) < self.tp:
+            if len(pending.results) < self.tp and problem is None:
                 return
             del self._pending[result.task_id]
             self._busy_locked()

@@ -14,7 +14,7 @@ from engine_hooks.task_tracker import TaskTracker
 
 
 def result(task_id="t", rank=0, ok=True, bytes_moved=0, calls=None, failures=None):
-    res = RankResult(task_id, rank, ok, error=None if ok else "boom", bytes_moved=bytes_moved)
+    res = RankResult(task_id, rank, ok, value=[] if ok else None, error=None if ok else "boom", bytes_moved=bytes_moved)
     if calls is not None:
         setattr(res, "storage_calls", calls)
     if failures is not None:

@@ -84,3 +84,26 @@ def test_inline_task_that_raises_fails_alone_and_the_next_runs(sched):
     assert not first.ok and "block id 99" in first.error
     assert second.ok and second.value == "fine"
     assert sched.active() == 0
+
+
+def test_thousands_of_expired_waiters_on_one_block_release_it_for_later_tasks(sched):
+    # Issue 24 item 14: each expired waiter is released from its predecessor's release; done
+    # recursively, a chain of a few hundred hit RecursionError (logged, swallowed) and the block
+    # stayed held, so every later task on it was dropped "not started" until a restart.
+    release, n = threading.Event(), 3000
+    sched.submit("long", 0, "swap", [("gpu", 0), ("cpu", 0)], None, lambda: release.wait(10))
+    soon = time.monotonic() + 0.05
+    for i in range(1, n + 1):
+        sched.submit(f"w{i}", i, "swap", [("gpu", 0), ("cpu", 0)], soon, lambda: "ran")
+    time.sleep(0.1)
+    sched.expire_waiting()
+    assert len(sched.answers) == n and not any(a.ok for a in sched.answers)
+    release.set()
+    wait_answers(sched, n + 1)
+    assert sched.answers[-1].task_id == "long"
+
+    sched.submit("later", n + 1, "swap", [("gpu", 0), ("cpu", 0)], time.monotonic() + 5.0, lambda: "later ran")
+    wait_answers(sched, n + 2)
+    last = sched.answers[-1]
+    assert (last.task_id, last.ok, last.value) == ("later", True, "later ran"), last.error
+    assert sched.active() == 0 and sched.pending() == 0

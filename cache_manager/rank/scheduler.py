@@ -27,6 +27,7 @@ import heapq
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 Resource = Hashable
 FAIL = object()  # drop_value of tasks whose drop is an error (swaps); storage tasks drop to 0 blocks
+_RELEASING = threading.local()  # .queue: the callbacks the outermost release on this thread still runs
 
 
 class _Released:
@@ -68,8 +70,23 @@ class _Released:
         with self._lock:
             self._done = True
             callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            self._call(fn)
+        if not callbacks:
+            return
+        # A callback may release another task (a dropped waiter's release is its successor's
+        # unblock), which would nest one call per task of a chain: thousands of expired waiters
+        # on one block hit RecursionError and left the block held for good.  So the outermost
+        # release on this thread runs every callback from a work list; nested ones only append.
+        queue = getattr(_RELEASING, "queue", None)
+        if queue is not None:
+            queue.extend((self, fn) for fn in callbacks)
+            return
+        _RELEASING.queue = queue = deque((self, fn) for fn in callbacks)
+        try:
+            while queue:
+                released, fn = queue.popleft()
+                released._call(fn)
+        finally:
+            _RELEASING.queue = None
 
     def _call(self, fn: Callable[[Any], None]) -> None:
         try:
