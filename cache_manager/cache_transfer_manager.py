@@ -33,6 +33,7 @@ from itertools import chain, repeat
 from typing import Any
 
 import ops
+from ops.procs import open_private, private_dir
 from ops.shm import SharedMemorySegment
 from transfer_factory import StorageConfigError
 
@@ -67,13 +68,21 @@ IDLE_POLL_MS = 250  # an idle rank wakes this often to look at kv_cache_status a
 DRAIN_POLL_MS = 10  # how often a clearing rank looks whether its tasks released their blocks
 
 
+class PrivateFileHandler(logging.FileHandler):
+    """A log file created 0600 whatever the umask, never through a symlink (``ops.procs.open_private``)."""
+
+    def _open(self):  # FileHandler's hook for opening its file
+        return os.fdopen(open_private(self.baseFilename), "a", encoding=self.encoding, errors=self.errors)
+
+
 def rank_logger(rank: int, log_dir: str) -> logging.Logger:
+    """The rank's logger: ``<log_dir>/cache_transfer_manager_rank<r>.log`` (0600; ``log_dir`` 0700 and
+    ours, else ``PermissionError``), warnings also to stderr."""
     log = logging.getLogger(f"ctm.rank{rank}")
     log.setLevel(logging.INFO)
     log.propagate = False
-    os.makedirs(log_dir, exist_ok=True)
     fmt = logging.Formatter("%(asctime)s %(levelname)s rank" + str(rank) + " %(threadName)s: %(message)s")
-    handler = logging.FileHandler(os.path.join(log_dir, f"cache_transfer_manager_rank{rank}.log"))
+    handler = PrivateFileHandler(os.path.join(private_dir(log_dir), f"cache_transfer_manager_rank{rank}.log"))
     handler.setFormatter(fmt)
     log.addHandler(handler)
     err = logging.StreamHandler(sys.stderr)

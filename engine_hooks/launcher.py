@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping
 
+from ops.procs import open_private, private_dir
+
 from .errors import StartupError
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,11 @@ def tail(path: str, lines: int = 20) -> str:
         return "(no log file)"
 
 
+# How long a process may take to die after SIGKILL.  One that outlives it is stuck in the kernel
+# (uninterruptible sleep on a hung filesystem or device): no signal can end it sooner.
+KILL_WAIT = 5.0
+
+
 @dataclass
 class RankProcess:
     """One running CTM.  Its stderr goes to ``<log_dir>/ctm_rank<r>.stderr`` beside its log."""
@@ -72,18 +79,46 @@ class RankProcess:
         return (f"rank {self.rank} (pid {self.pid}) {state}; last lines of {self.log_path}:\n{tail(self.log_path)}"
                 f"\nstderr:\n{tail(self.stderr_path, 10)}")
 
-    def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL after ``grace`` seconds; always reaps the process."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                logger.warning("rank %d did not stop within %.1fs of SIGTERM; killing it", self.rank, grace)
-                self.popen.kill()
-                self.popen.wait(5.0)
-        else:
-            self.popen.wait(0)
+    def stop(self, grace: float = 5.0, kill_wait: float = KILL_WAIT) -> bool:
+        """SIGTERM, then SIGKILL after ``grace`` seconds; True once reaped.  Never raises: see ``stop_together``."""
+        return not stop_together([self], grace, kill_wait)
+
+    def send_signal(self, signum: int) -> None:
+        """Send ``signum`` unless the process was reaped already (then its pid may be another's)."""
+        try:
+            self.popen.send_signal(signum)
+        except OSError as exc:  # gone between the poll and the kill: nothing to stop
+            logger.debug("rank %d (pid %d): signal %d not sent: %s", self.rank, self.pid, signum, exc)
+
+    def reap(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the process to end; True once it has been reaped."""
+        try:
+            self.popen.wait(max(0.0, timeout))
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+
+def stop_together(procs: list[RankProcess], grace: float, kill_wait: float = KILL_WAIT) -> list[int]:
+    """Stop every process at once: SIGTERM, SIGKILL to those still running after ``grace`` seconds,
+    then wait ``kill_wait`` seconds more; returns the ranks still alive, each logged.
+
+    Bounded to about ``grace + kill_wait`` for any number of processes, and never raises: a
+    caller that is shutting down must still release everything else (other ranks, shared
+    memory) even when one process cannot be killed."""
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    left = [p for p in procs if not p.reap(deadline - time.monotonic())]
+    for proc in left:
+        logger.warning("rank %d (pid %d) did not stop within %.1fs of SIGTERM; killing it", proc.rank, proc.pid, grace)
+        proc.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + kill_wait
+    stuck = [p for p in left if not p.reap(deadline - time.monotonic())]
+    for proc in stuck:
+        logger.error("rank %d (pid %d) still runs %.1fs after SIGKILL (stuck in the kernel?); leaving it behind",
+                     proc.rank, proc.pid, kill_wait)
+    return [p.rank for p in stuck]
 
 
 def launch(rank: int, flags: dict[str, object], log_dir: str, env: dict[str, str]) -> RankProcess:
@@ -91,11 +126,10 @@ def launch(rank: int, flags: dict[str, object], log_dir: str, env: dict[str, str
     argv = [sys.executable, "-m", "cache_manager.cache_transfer_manager"]
     for key, value in flags.items():
         argv += [f"--{key}", str(value)]
-    os.makedirs(log_dir, exist_ok=True)
-    stderr_path = os.path.join(log_dir, f"ctm_rank{rank}.stderr")
+    stderr_path = os.path.join(private_dir(log_dir), f"ctm_rank{rank}.stderr")  # DESIGN §4: 0600 in 0700
     child_env = {**os.environ, **env}
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, child_env.get("PYTHONPATH", "")) if p)
-    with open(stderr_path, "wb") as err:
+    with os.fdopen(open_private(stderr_path, append=False), "wb") as err:
         popen = subprocess.Popen(argv, env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                  stderr=err, cwd=REPO_ROOT)
     logger.info("launched rank %d as pid %d", rank, popen.pid)
@@ -117,14 +151,14 @@ class RankProcesses:
         self._procs[rank] = launch(rank, self._flags(rank), self._log_dir, self._env())
         return self._procs[rank]
 
-    def stop(self, rank: int, grace: float) -> None:
+    def stop(self, rank: int, grace: float) -> bool:
+        """Stop ``rank``'s process; False if it outlived SIGKILL (logged; never raises)."""
         proc = self._procs.get(rank)
-        if proc is not None:
-            proc.stop(grace)
+        return proc is None or proc.stop(grace)
 
-    def stop_all(self, grace: float) -> None:
-        for proc in self._procs.values():
-            proc.stop(grace)
+    def stop_all(self, grace: float) -> list[int]:
+        """Stop every rank's process together (bounded, never raises); the ranks that would not die."""
+        return stop_together(list(self._procs.values()), grace)
 
     def wait_ready(self, ranks: list[int], ready: Callable[[int], bool], timeout: float) -> None:
         """Wait until ``ready(rank)`` for every rank of ``ranks``; ``StartupError`` names a rank that

@@ -353,19 +353,24 @@ class CacheTransferService:
                 return
             self._closed = True
         atexit.unregister(self.shutdown)
-        self.tracker.close()  # pending tasks fail; every block is released: the caches go away with the service
-        self.metrics.close()
-        self._supervisor.stop(5.0)
-        self._ranks.stop_all(self.stop_grace)
-        if self.server is not None:
-            self.server.close()
-        self.resources.close()
-        if self.layerwise is not None:
-            self.layerwise.close()
+        # Every step runs even when one fails: a rank stuck in the kernel, say, must not keep the
+        # other ranks running or the engine's segments and signals in /dev/shm.
+        for step in (self.tracker.close,  # pending tasks fail; every block is released
+                     self.metrics.close, lambda: self._supervisor.stop(5.0),
+                     lambda: self._ranks.stop_all(self.stop_grace),  # bounded; logs a rank that will not die
+                     self.server.close if self.server is not None else None, self.resources.close,
+                     self.layerwise.close if self.layerwise is not None else None, self._remove_orphans):
+            try:
+                if step is not None:
+                    step()
+            except Exception:
+                logger.exception("shutdown step %s failed; going on with the rest", getattr(step, "__qualname__", step))
+        logger.info("CTM service shut down")
+
+    def _remove_orphans(self) -> None:
         leftovers = self.platform.remove_orphans()  # what a killed CTM or an old run may have left
         if leftovers:
             logger.warning("removed %d leftover segments: %s", len(leftovers), leftovers[:5])
-        logger.info("CTM service shut down")
 
     # ------------------------------------------------------------------ inspection
     def busy_seconds(self) -> float:

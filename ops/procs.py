@@ -1,11 +1,12 @@
 """Process helpers shared by the layers above (liveness of an engine, of a file's writer; clean-up
-that outlives its owner)."""
+that outlives its owner; files only this process's user may read)."""
 from __future__ import annotations
 
 import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from typing import Sequence
@@ -26,6 +27,51 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def private_dir(path: str) -> str:
+    """Create directory ``path`` (and its parents) mode 0700 whatever the umask, or accept an existing
+    one of this process's effective uid, tightened to 0700; returns ``path``.  DESIGN §4: logs are
+    0600 in a 0700 directory, since they name the engine's ports, files and storage keys.
+
+    ``PermissionError`` for a directory another user owns: its owner could read, replace or
+    remove what is written there, and changing its mode would be taking it over."""
+    os.makedirs(path, mode=0o700, exist_ok=True)  # the mode is masked by the umask: fchmod below
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            raise PermissionError(f"directory {path!r} is owned by uid {info.st_uid}, not by this process's uid "
+                                  f"{os.geteuid()}: refusing to write logs there (use a directory of your own)")
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+    return path
+
+
+def open_private(path: str, append: bool = True) -> int:
+    """Open ``path`` for writing, created 0600 whatever the umask (an existing file of ours is
+    tightened to 0600); a descriptor.  ``PermissionError`` for a symlink, or for something not
+    a regular file of this process's effective uid, rather than write through it."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise PermissionError(f"{path!r} is a symbolic link: refusing to write through it") from exc
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise PermissionError(f"{path!r} is not a regular file of uid {os.geteuid()} (mode {info.st_mode:o}, "
+                                  f"uid {info.st_uid}): refusing to write to it")
+        if stat.S_IMODE(info.st_mode) != 0o600:
+            os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 # The reaper's body, run as ``python -c``: it must not import the project (fast start, nothing to

@@ -11,6 +11,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 
 SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
@@ -87,11 +88,9 @@ class SharedMemorySegment:
         self.unlink_name(self.name)
 
     @staticmethod
-    def unlink_name(name: str) -> None:
-        try:
-            os.unlink(shm_path(name))
-        except FileNotFoundError:
-            pass
+    def unlink_name(name: str) -> bool:
+        """Unlink ``name`` if it is ours (see ``owned_by_us``); True if it was removed."""
+        return _unlink_ours(shm_path(name))
 
     def __enter__(self) -> "SharedMemorySegment":
         return self
@@ -111,13 +110,34 @@ def list_segments(prefix: str) -> list[str]:
         return []
 
 
+def owned_by_us(path: str) -> bool:
+    """True if ``path`` is a regular file (not a symlink) owned by this process's effective uid.
+
+    Names are predictable, so another user may have created one under our prefix (to stop
+    the engine from starting, say); removing it would destroy that user's data, which root can
+    do.  The check holds until the unlink: /dev/shm is sticky, so only a name's owner (or root)
+    can remove or replace it, and the name stays ours in between."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+        return True
+    logger.warning("leaving %s: not a regular file of uid %d (mode %o, uid %d)", path, os.geteuid(),
+                   info.st_mode, info.st_uid)
+    return False
+
+
+def _unlink_ours(path: str) -> bool:
+    if not owned_by_us(path):
+        return False
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
 def unlink_segments(prefix: str) -> list[str]:
-    """Unlink every segment whose name starts with ``prefix``; returns the names removed."""
-    removed = []
-    for name in list_segments(prefix):
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-    return removed
+    """Unlink every segment of ours (``owned_by_us``) whose name starts with ``prefix``; the names removed."""
+    return [name for name in list_segments(prefix) if _unlink_ours(os.path.join(SHM_DIR, name))]
