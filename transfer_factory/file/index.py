@@ -41,6 +41,8 @@ class Index:
         # eviction removes a block at once rather than leave half of it taking space.
         self._siblings: dict[bytes, tuple[bytes, ...]] = {}
         self._doomed: list[tuple[bytes, Entry]] = []   # evicted records whose dead mark is still to write
+        # Deleted records whose dead mark waits for a peer's exclusive flock (a compaction), by digest.
+        self._deferred: dict[bytes, list[Entry]] = {}
         self._members: dict[Segment, set[bytes]] = {}  # segment -> digests whose entry points there
         self._live: dict[Segment, int] = {}            # segment -> bytes of those records
 
@@ -233,6 +235,24 @@ class Index:
             doomed, self._doomed = self._doomed, []
         return doomed
 
+    def defer(self, d: bytes, e: Entry) -> None:
+        """Keeps a deleted record whose dead mark could not be written yet (``take_deferred``)."""
+        with self.lock:
+            self._deferred.setdefault(d, []).append(e)
+
+    def has_deferred(self) -> bool:
+        return bool(self._deferred)
+
+    def take_deferred(self) -> list[tuple[bytes, Entry]]:
+        with self.lock:
+            deferred, self._deferred = self._deferred, {}
+        return [(d, e) for d, es in deferred.items() for e in es]
+
+    def is_deferred_copy(self, d: bytes, e: Entry) -> bool:
+        """Whether ``e`` is a copy (the same header: a compaction moved it) of a record of ``d``
+        whose dead mark is deferred: such a copy is deleted too, never served.  The lock held."""
+        return any(old.fields(d) == e.fields(d) for old in self._deferred.get(d, ()))
+
     def note_blocks(self, digests: Sequence[bytes | None], keys: Sequence[Any], done: Sequence[bool],
                     groups: Sequence[str | None] | None = None) -> None:
         """Remembers which objects form one block, for blocks whose every object just succeeded."""
@@ -249,6 +269,7 @@ class Index:
             self._entries.clear()
             self._siblings.clear()
             self._doomed.clear()
+            self._deferred.clear()
             self._members.clear()
             self._live.clear()
             self._used = 0

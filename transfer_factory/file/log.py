@@ -21,8 +21,8 @@ from typing import Iterable
 
 from transfer_factory.file.index import Index
 from transfer_factory.file.segments import (
-    DEAD, HEADER_SIZE, NEW_RE, SEG_RE, Entry, Segment, lock_shared, new_segment, open_segment, scan,
-    segment_size, try_lock_exclusive, unlock, unpack_header,
+    DEAD, HEADER_SIZE, NEW_RE, SEG_RE, Entry, Segment, new_segment, open_segment, scan, segment_size,
+    try_lock_exclusive, try_lock_shared, unlock, unpack_header,
 )
 from transfer_factory.file.store_io import FILE_MODE, fs_space, fsync_dir, tighten, write_records
 
@@ -162,7 +162,18 @@ class SegmentLog:
             self._index.drop_past(seg, size)
             seg.scanned_to(size)
         if size > seg.scanned:
-            found, end, bad = scan(seg.fd, seg.scanned, size)
+            try:
+                found, end, bad = scan(seg.fd, seg.scanned, size)
+            except OSError as exc:
+                # DESIGN §4: an unreadable segment (EIO) costs its own records, which become misses,
+                # and nothing else: the store opens and serves the rest.  These bytes are not read
+                # again (every refresh would fail the same way); what is appended later is.
+                logger.warning("file store %s: cannot read segment %s (%s); its objects are misses",
+                               self.directory, seg.name, exc)
+                self._index.drop_segment(seg)
+                seg.scanned_to(size)
+                self._disk += seg.resize(size)
+                return 0
             seg.scanned_to(end)
             if bad:
                 logger.warning("file store %s: segment %s has %d bytes of torn or damaged records; "
@@ -170,7 +181,11 @@ class SegmentLog:
             for f in found:
                 if f.header.live:
                     h = f.header
-                    self._index.add(h.digest, Entry(seg, f.offset, h.payload_len, h.crc, h.header_crc))
+                    e = Entry(seg, f.offset, h.payload_len, h.crc, h.header_crc)
+                    if self._index.is_deferred_copy(h.digest, e):
+                        self._index.defer(h.digest, e)       # a deleted record a compaction moved
+                    else:
+                        self._index.add(h.digest, e)
         self._disk += seg.resize(size)
         return bad
 
@@ -272,15 +287,35 @@ class SegmentLog:
     # ------------------------------------------------------------------------------------ dead marks
     def mark_dead(self, d: bytes, e: Entry) -> bool | None:
         """Writes the dead magic over ``e``'s record if it is still ``d``'s live record: True when
-        marked, False when it was not live any more, None when its segment has been reclaimed.
-        Call it without holding the index lock."""
-        seg = e.seg
+        marked (or deferred: ``_mark``), False when it was not live any more, None when its segment
+        has been reclaimed.  Call it without holding the index lock."""
         with self.append_lock:
-            if not self.pin_open(seg):
-                return None                               # its fd stays this file's until unpinned
+            self.retry_deferred()
+            return self._mark(d, e)
+
+    def retry_deferred(self) -> None:
+        """Writes the dead marks deferred while a peer held their segments; append_lock held.  The
+        refresh comes first: a copy the peer's compaction made is deferred too before the mark on
+        the reclaimed original is dropped (``Index.is_deferred_copy``), so none is served again."""
+        if not self._index.has_deferred():
+            return
+        self.refresh()
+        for d, e in self._index.take_deferred():
+            self._mark(d, e)
+
+    def _mark(self, d: bytes, e: Entry) -> bool | None:
+        seg = e.seg
+        if not self.pin_open(seg):
+            return None                                   # its fd stays this file's until unpinned
+        try:
+            # The active one is held shared already.  Another process compacting this one holds it
+            # exclusive, maybe for long (a paused peer): waiting for it here, under append_lock,
+            # would stall every write of this instance, so the mark waits in the index instead
+            # and is retried by the next write or delete (the object is a miss here meanwhile).
+            if not seg.active and not try_lock_shared(seg.fd):
+                self._index.defer(d, e)
+                return True
             try:
-                if not seg.active:                        # the active one is held shared already
-                    lock_shared(seg.fd)                   # waits out a compaction of it elsewhere
                 try:
                     if os.fstat(seg.fd).st_nlink == 0:
                         return None
@@ -294,14 +329,15 @@ class SegmentLog:
             except OSError as exc:
                 logger.warning("file store %s: cannot mark a record of %s dead: %s", self.directory, seg.name, exc)
                 return False
-            finally:
-                self.unpin(seg)
+        finally:
+            self.unpin(seg)
 
     def mark_evicted(self, doomed: list[tuple[bytes, Entry]]) -> None:
         """Writes the dead magic over records eviction forgot, so that neither a restart nor
         another process brings them back.  A mark that is lost (a crash first) only lets a right
         object come back.  One pwrite per record (a pread first where another process appends)."""
         with self.append_lock:
+            self.retry_deferred()
             doomed = [(d, e) for d, e in doomed if self.pin_open(e.seg)]
             try:
                 for d, e in doomed:

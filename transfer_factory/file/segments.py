@@ -17,8 +17,9 @@ tests/test_file_formats.py holds both sides to fixed bytes)::
 
 The header checksum leaves the magic out so that deleting a record is one 4-byte write of the dead
 magic that keeps the header valid: a scan still knows the record's length and steps over it.  A
-header is *valid* when its magic is one of the two, its checksum matches and version and flags are
-known; a record is *whole* when, moreover, its payload lies inside the file.  A scan walks the
+header is *valid* when its magic is one of the two, its checksum matches, version and flags are
+known and the payload is not empty (no store writes an empty object: a zero length is damage that
+the CRC happened to cover, and the readers refuse zero-length records); a record is *whole* when, moreover, its payload lies inside the file.  A scan walks the
 records from an offset; at an invalid header (a torn write, damage) it looks for the next valid
 header further on (``resync``), so one bad record costs only itself.  A reader trusts a record only
 when the header it reads back is byte for byte the one its index expects (live, same key, length
@@ -37,8 +38,9 @@ Locks (``flock``, released by the kernel when a process dies, so never stale):
 * reclaiming a segment (compacting its live records into the active segment, or dropping it
   whole) needs it **exclusive**, taken without waiting: a segment someone appends to or deletes
   from is skipped, so a reclaim never removes a segment under a writer, and a delete never marks a
-  copy that a compaction is moving (the deleter finds the segment gone once it gets its lock, and
-  looks again).
+  copy that a compaction is moving: the deleter takes its shared lock without waiting and, when
+  it cannot, defers the mark (the object is a miss meanwhile) to its next write or delete, where a
+  copy that compaction made is deleted too (log.py).
 """
 from __future__ import annotations
 
@@ -124,7 +126,7 @@ def parse_header(raw: bytes | memoryview) -> Header | None:
     if zlib.crc32(raw[4:HEADER_SIZE - 4]) != _CRC.unpack_from(raw, HEADER_SIZE - 4)[0]:
         return None
     version, flags, payload_len, crc, digest = _BODY.unpack_from(raw, 4)
-    if version != FORMAT_VERSION or flags != 0:
+    if version != FORMAT_VERSION or flags != 0 or payload_len == 0:
         return None
     return Header(magic == LIVE, payload_len, crc, digest, _CRC.unpack_from(raw, HEADER_SIZE - 4)[0])
 
@@ -313,6 +315,14 @@ def try_lock_exclusive(fd: int) -> bool:
 
 def lock_shared(fd: int) -> None:
     fcntl.flock(fd, fcntl.LOCK_SH)
+
+
+def try_lock_shared(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def unlock(fd: int) -> None:

@@ -166,7 +166,9 @@ PyObject *fr_parse_headers(PyObject *self, PyObject *args)
         for (Py_ssize_t i = 0; i < n; i++, p += HEADER_SIZE) {
             int live = memcmp(p + OFF_MAGIC, MAGIC_LIVE, MAGIC_SIZE) == 0;
             int dead = memcmp(p + OFF_MAGIC, MAGIC_DEAD, MAGIC_SIZE) == 0;
+            /* An empty payload is never written (segments.py): such a header is damage. */
             int ok = (live || dead) && get_le(p + OFF_VERSION, 2) == FORMAT_VERSION && get_le(p + OFF_FLAGS, 2) == 0
+                     && get_le(p + OFF_PAYLOAD_LEN, 8) != 0
                      && crc32_of(p + OFF_VERSION, OFF_HEADER_CRC - OFF_VERSION)
                             == (uint32_t)get_le(p + OFF_HEADER_CRC, 4);
             st[i] = (char)(ok ? (live ? 1 : 2) : 0);
