@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 import time
 from itertools import accumulate
@@ -21,15 +20,14 @@ from typing import Iterable
 
 from transfer_factory.file.index import Index
 from transfer_factory.file.segments import (
-    DEAD, HEADER_SIZE, NEW_RE, SEG_RE, Entry, Segment, new_segment, open_segment, scan, segment_size,
-    try_lock_exclusive, try_lock_shared, unlock, unpack_header,
+    DEAD, HEADER_SIZE, SEG_RE, Entry, Segment, new_segment, open_segment, scan, segment_size,
+    try_lock_shared, unlock, unpack_header,
 )
 from transfer_factory.file.store_io import FILE_MODE, fs_space, fsync_dir, tighten, write_records
 
 logger = logging.getLogger("transfer_factory.file.store")
 
 REFRESH_S = 1.0                      # other processes' records are picked up at least this often
-_OLD_FANOUT_LEN = 2                  # the one-file-per-object format's {h[0:2]}/ directories
 
 # A run of records to append: (headers back to back, payload buffer pointers, their sizes, buffers
 # per record or None for one each, payload lengths, payload checksums).
@@ -373,50 +371,3 @@ class SegmentLog:
             logger.warning("file store %s: cannot remove %s: %s", self.directory, seg.name, exc)
             freed = 0
         return freed
-
-    def remove_old_layout(self) -> int:
-        """Removes the fan-out directories of the one-file-per-object format; how many."""
-        removed = 0
-        try:
-            with os.scandir(self.directory) as it:
-                olds = [e.path for e in it if len(e.name) == _OLD_FANOUT_LEN and e.is_dir(follow_symlinks=False)
-                        and all(c in "0123456789abcdef" for c in e.name)]
-        except OSError:
-            return 0
-        for path in olds:
-            shutil.rmtree(path, ignore_errors=True)
-            removed += 1
-        return removed
-
-    def remove_files(self, new_only: bool = False) -> int:
-        """Unlinks the directory's segment files (with ``new_only``, only segments a dead process
-        was creating: those no one holds locked)."""
-        removed = 0
-        try:
-            with os.scandir(self.directory) as it:
-                names = [e.name for e in it]
-        except OSError:
-            return 0
-        for name in names:
-            path = os.path.join(self.directory, name)
-            if NEW_RE.match(name):
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except OSError:
-                    continue
-                try:
-                    if not try_lock_exclusive(fd):
-                        continue                           # its creator is alive and about to rename it
-                finally:
-                    os.close(fd)
-            elif new_only or not SEG_RE.match(name):
-                continue
-            try:
-                os.unlink(path)
-                removed += 1
-            except FileNotFoundError:
-                pass
-        if not new_only:
-            removed += self.remove_old_layout()
-        return removed
-

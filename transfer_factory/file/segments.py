@@ -48,6 +48,7 @@ import fcntl
 import os
 import re
 import secrets
+import shutil
 import struct
 import time
 import zlib
@@ -88,6 +89,7 @@ SEG_SUFFIX = ".seg"
 NEW_SUFFIX = ".new"                            # a segment being created: never read
 SEG_RE = re.compile(r"^[0-9a-f]{16}\.[0-9a-f]{8}\.seg$")
 NEW_RE = re.compile(r"^[0-9a-f]{16}\.[0-9a-f]{8}\.seg\.new$")
+_OLD_FANOUT_LEN = 2                  # the one-file-per-object format's {h[0:2]}/ directories
 SEGMENT_MIN = 64 << 10
 SEGMENT_MAX = 64 << 20
 _RESYNC_CHUNK = 1 << 20
@@ -327,3 +329,52 @@ def try_lock_shared(fd: int) -> bool:
 
 def unlock(fd: int) -> None:
     fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+# ------------------------------------------------------------------------------------ removal
+def remove_old_layout(directory: str) -> int:
+    """Removes the fan-out directories of the one-file-per-object format; how many."""
+    removed = 0
+    try:
+        with os.scandir(directory) as it:
+            olds = [e.path for e in it if len(e.name) == _OLD_FANOUT_LEN and e.is_dir(follow_symlinks=False)
+                    and all(c in "0123456789abcdef" for c in e.name)]
+    except OSError:
+        return 0
+    for path in olds:
+        shutil.rmtree(path, ignore_errors=True)
+        removed += 1
+    return removed
+
+def remove_segment_files(directory: str, new_only: bool = False) -> int:
+    """Unlinks the directory's segment files (with ``new_only``, only segments a dead process
+    was creating: those no one holds locked)."""
+    removed = 0
+    try:
+        with os.scandir(directory) as it:
+            names = [e.name for e in it]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(directory, name)
+        if NEW_RE.match(name):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                if not try_lock_exclusive(fd):
+                    continue                           # its creator is alive and about to rename it
+            finally:
+                os.close(fd)
+        elif new_only or not SEG_RE.match(name):
+            continue
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    if not new_only:
+        removed += remove_old_layout(directory)
+    return removed
+

@@ -100,7 +100,8 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 from transfer_factory.file.index import Index, key_digest
 from transfer_factory.file.log import SegmentLog
-from transfer_factory.file.segments import DEAD, HEADER_SIZE, LIVE, try_lock_exclusive
+from transfer_factory.file.segments import (DEAD, HEADER_SIZE, LIVE, remove_old_layout, remove_segment_files,
+                                             try_lock_exclusive)
 from transfer_factory.file.space import SpacePolicy
 from transfer_factory.file.store_io import (
     DEFAULT_CAPACITY, DEFAULT_ROOT, DIR_MODE, ENV_CAPACITY, ENV_ROOT, OPTIONS, Views, makedirs_private,
@@ -218,8 +219,8 @@ class FileStore(KVCacheStorage):
         trims to the capacity."""
         log, index, space = self.segment_log, self.index, self.space_policy
         log.size_segments(self.capacity_bytes)
-        old = log.remove_old_layout()
-        stale = log.remove_files(new_only=True)
+        old = remove_old_layout(str(self.directory))
+        stale = remove_segment_files(str(self.directory), new_only=True)
         tightened, skipped = log.refresh(opening=True)
         with log.append_lock:
             empty = 0
@@ -313,7 +314,7 @@ class FileStore(KVCacheStorage):
             raise RuntimeError("file store is closed")
         with self.segment_log.append_lock:
             self._forget_all()
-            removed = self.segment_log.remove_files()
+            removed = remove_segment_files(str(self.directory))
         logger.info("file store %s: cleared %d segment files", self.directory, removed)
 
     def close(self) -> None:
