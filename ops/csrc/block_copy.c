@@ -8,7 +8,7 @@
  * staging layout (swap_cache_layout) has stride == num_layers * block_bytes
  * and a per-layer base offset.
  *
- * Contract: every id, length and size is checked before the first byte
+ * Contract (checked in copy_checks.c): every id, length and size is checked before the first byte
  * moves; any violation raises ValueError naming the value and nothing is
  * written.  Runs of consecutive ids on both sides are merged into one
  * memcpy.  The GIL is released while bytes move, and a large copy is split
@@ -20,6 +20,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "copy_checks.h"
 #include "copy_pool.h"
 #if defined(__x86_64__) && defined(__SSE2__)
 #include <emmintrin.h>
@@ -211,154 +212,6 @@ static int run_segments(const segment_t *segs, size_t nsegs, int num_threads, en
     return 0;
 }
 
-typedef struct {
-    Py_buffer bases, caps, ids;
-    int have_bases, have_caps, have_ids;
-    int64_t *listed_ids; /* ids given as a list of ints, copied here (ids.buf points at it) */
-} side_bufs_t;
-
-static void release_side(side_bufs_t *s)
-{
-    if (s->have_bases)
-        PyBuffer_Release(&s->bases);
-    if (s->have_caps)
-        PyBuffer_Release(&s->caps);
-    if (s->have_ids)
-        PyBuffer_Release(&s->ids);
-    PyMem_Free(s->listed_ids);
-}
-
-/* Block ids as a list of ints, as a rank's tasks bring them: a numpy array per side per copy cost
- * more than the copy of a small task.  Each item must be an int (not a bool) within int64. */
-static int load_listed_ids(PyObject *list, side_bufs_t *s, const char *name)
-{
-    Py_ssize_t n = PyList_GET_SIZE(list);
-    s->listed_ids = PyMem_Malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
-    if (s->listed_ids == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(list, i);
-        if (!PyLong_CheckExact(item)) {
-            PyErr_Format(PyExc_ValueError, "%s block id %R at position %zd is not an integer", name, item, i);
-            return -1;
-        }
-        int overflow = 0;
-        long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
-        if (overflow) {
-            PyErr_Format(PyExc_ValueError, "%s block id %R at position %zd is out of range", name, item, i);
-            return -1;
-        }
-        s->listed_ids[i] = v;
-    }
-    s->ids.buf = s->listed_ids;
-    s->ids.len = n * (Py_ssize_t)sizeof(int64_t);
-    return 0;
-}
-
-static int get_int64_buffer(PyObject *obj, Py_buffer *view, const char *what)
-{
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return -1;
-    if (view->itemsize != 8 || !view->format ||
-        (strcmp(view->format, "q") != 0 && strcmp(view->format, "l") != 0 &&
-         strcmp(view->format, "<q") != 0 && strcmp(view->format, "<l") != 0 &&
-         strcmp(view->format, "=q") != 0)) {
-        PyErr_Format(PyExc_ValueError, "%s must be a contiguous int64 buffer (got format '%s')",
-                     what, view->format ? view->format : "?");
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
-
-static int load_side(PyObject *bases, PyObject *caps, PyObject *ids, side_bufs_t *s, const char *name)
-{
-    char what[96];
-    snprintf(what, sizeof what, "%s layer bases", name);
-    if (get_int64_buffer(bases, &s->bases, what) < 0)
-        return -1;
-    s->have_bases = 1;
-    snprintf(what, sizeof what, "%s layer capacities", name);
-    if (get_int64_buffer(caps, &s->caps, what) < 0)
-        return -1;
-    s->have_caps = 1;
-    if (PyList_CheckExact(ids))
-        return load_listed_ids(ids, s, name);
-    snprintf(what, sizeof what, "%s block ids", name);
-    if (get_int64_buffer(ids, &s->ids, what) < 0)
-        return -1;
-    s->have_ids = 1;
-    return 0;
-}
-
-/* Checks every id of one side against every layer's capacity. */
-static int check_ids(const int64_t *ids, Py_ssize_t n, const int64_t *caps, Py_ssize_t layers,
-                     const char *name)
-{
-    int64_t min_cap = INT64_MAX;
-    Py_ssize_t min_layer = 0;
-    for (Py_ssize_t l = 0; l < layers; l++) {
-        if (caps[l] < 0) {
-            PyErr_Format(PyExc_ValueError, "%s capacity %lld of layer %zd is negative", name,
-                         (long long)caps[l], l);
-            return -1;
-        }
-        if (caps[l] < min_cap) {
-            min_cap = caps[l];
-            min_layer = l;
-        }
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= min_cap) {
-            PyErr_Format(PyExc_ValueError,
-                         "%s block id %lld at position %zd is out of range [0, %lld) (layer %zd)",
-                         name, (long long)ids[i], i, (long long)min_cap, min_layer);
-            return -1;
-        }
-    }
-    return 0;
-}
-
-/* Two sources into one destination block would race; refuse them. */
-static int check_unique(const int64_t *ids, Py_ssize_t n, int64_t cap, const char *name)
-{
-    if (n < 2)
-        return 0;
-    if (n <= 32) { /* small tasks: a bitmap over the whole cache costs more */
-        for (Py_ssize_t i = 1; i < n; i++)
-            for (Py_ssize_t j = 0; j < i; j++)
-                if (ids[i] == ids[j]) {
-                    PyErr_Format(PyExc_ValueError,
-                                 "%s block id %lld appears more than once (again at position %zd)",
-                                 name, (long long)ids[i], i);
-                    return -1;
-                }
-        return 0;
-    }
-    size_t nbytes = (size_t)(cap / 8 + 1);
-    unsigned char *seen = calloc(nbytes, 1);
-    if (!seen) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t id = ids[i];
-        unsigned char bit = (unsigned char)(1u << (id & 7));
-        if (seen[id >> 3] & bit) {
-            free(seen);
-            PyErr_Format(PyExc_ValueError,
-                         "%s block id %lld appears more than once (again at position %zd)", name,
-                         (long long)id, i);
-            return -1;
-        }
-        seen[id >> 3] |= bit;
-    }
-    free(seen);
-    return 0;
-}
-
 PyDoc_STRVAR(copy_blocks_doc,
 "copy_blocks(src_bases, src_caps, src_stride, src_ids, src_name,\n"
 "            dst_bases, dst_caps, dst_stride, dst_ids, dst_name,\n"
@@ -388,33 +241,10 @@ static PyObject *py_copy_blocks(PyObject *self, PyObject *args)
         load_side(dst_bases, dst_caps, dst_ids, &dst, dst_name) < 0)
         goto done;
 
-    Py_ssize_t layers = src.bases.len / 8;
-    Py_ssize_t n = src.ids.len / 8;
-    if (dst.bases.len / 8 != layers || src.caps.len / 8 != layers || dst.caps.len / 8 != layers) {
-        PyErr_Format(PyExc_ValueError, "layer count mismatch: %s has %zd layers, %s has %zd", src_name,
-                     layers, dst_name, dst.bases.len / 8);
+    Py_ssize_t layers, n;
+    if (check_copy(&src, src_name, src_stride, &dst, dst_name, dst_stride, block_bytes, &layers, &n) < 0)
         goto done;
-    }
-    if (dst.ids.len / 8 != n) {
-        PyErr_Format(PyExc_ValueError, "%s block ids (%zd) and %s block ids (%zd) differ in length",
-                     src_name, n, dst_name, dst.ids.len / 8);
-        goto done;
-    }
-    if (block_bytes <= 0 || block_bytes > src_stride || block_bytes > dst_stride) {
-        PyErr_Format(PyExc_ValueError, "block_bytes %lld must be in (0, min(stride %lld, %lld)]",
-                     block_bytes, src_stride, dst_stride);
-        goto done;
-    }
-    const int64_t *sb = src.bases.buf, *db = dst.bases.buf, *sc = src.caps.buf, *dc = dst.caps.buf;
-    const int64_t *si = src.ids.buf, *di = dst.ids.buf;
-    if (check_ids(si, n, sc, layers, src_name) < 0 || check_ids(di, n, dc, layers, dst_name) < 0)
-        goto done;
-    int64_t dst_max_cap = 0;
-    for (Py_ssize_t l = 0; l < layers; l++)
-        if (dc[l] > dst_max_cap)
-            dst_max_cap = dc[l];
-    if (check_unique(di, n, dst_max_cap, dst_name) < 0)
-        goto done;
+    const int64_t *sb = src.bases.buf, *db = dst.bases.buf, *si = src.ids.buf, *di = dst.ids.buf;
 
     /* Plan: one segment per maximal run of consecutive ids on both sides. */
     int src_dense = src_stride == block_bytes, dst_dense = dst_stride == block_bytes;
