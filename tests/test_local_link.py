@@ -15,6 +15,7 @@ import tempfile
 import time
 
 import pytest
+import zmq
 
 from cache_manager.queue import wire
 from cache_manager.cache_tasks import RankResult
@@ -274,6 +275,42 @@ def test_a_rank_whose_link_closes_is_unreachable_and_the_rest_carry_on(server, r
     assert server.broadcast({"task_id": "x"}) == [1], "a task was reported sent to a rank that is gone"
     assert wait_for(lambda: ranks[0].ids() == ["x"])
     assert server.io_thread_alive() and server.loop_errors == 0
+
+
+def test_a_local_hello_replayed_to_the_task_port_after_the_link_broke_is_refused(server, monkeypatch):
+    """Rank 1's task-channel hello, captured on its local link, is replayed to the zmq task port
+    once that link broke with the process alive: the session's task channel was bound already
+    (on the local link), so the replay is refused and counted, rank 1 is reported unreachable
+    rather than fed to the replaying connection, and rank 0 still gets its tasks."""
+    sent: list[bytes] = []
+    real_send = FrameStream.send
+
+    def capturing(link: FrameStream, frame: bytes) -> bool:
+        sent.append(bytes(frame))
+        return real_send(link, frame)
+
+    monkeypatch.setattr(FrameStream, "send", capturing)
+    made = [Rank(0, 2, server.address), Rank(1, 2, server.address)]
+    ctx = zmq.Context()
+    try:
+        assert wait_for(lambda: server.local_ranks() == {0, 1})
+        monkeypatch.undo()
+        sid = server._reg.live[1].sid
+        hello = next(f for f in sent if wire.open_frame(f, SECRET).session == sid)
+        made[1].client._local.sock.shutdown(socket.SHUT_RDWR)  # the link breaks; the process lives
+        assert wait_for(lambda: server.local_ranks() == {0})
+        replayer = hardening.raw_socket(ctx, f"{server.address.rsplit(':', 1)[0]}:{server.task_port}")
+        replayer.send(hello)
+        assert wait_for(lambda: hardening.reasons(server).get("refused", 0) == 1)
+        assert server.registered_ranks() == {0}
+        assert server.broadcast({"task_id": "after"}) == [1], "rank 1's task went to the replaying connection"
+        assert wait_for(lambda: made[0].ids() == ["after"])
+        assert hardening.recv_all(replayer, 200) == []
+        assert made[1].ids() == [] and server.loop_errors == 0
+    finally:
+        ctx.destroy(0)
+        for r in made:
+            r.close()
 
 
 def wire_stream_tasks_up() -> int:

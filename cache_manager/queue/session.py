@@ -19,7 +19,8 @@ a replayed, reordered or cross-connection frame is dropped.
 
 The task channel (on the task port) and each result channel open with a ``hello`` in session
 S on their own stream, counter 0.  Each can be bound to one connection, once per session, so
-a replay of that hello from another connection is refused.
+a replay of that hello from another connection is refused; the task channel's once covers both
+transports, and outlives the connection it was bound to.
 
 A rank on the engine's host opens its task channel on the local link instead (``local_link``):
 the same hello, on a Unix socket whose peer must be the session's pid.  That channel carries the
@@ -53,6 +54,10 @@ class Session:
     live: bool = False
     task_identity: bytes | None = None
     local: object | None = None  # the local link carrying the task channel, if the rank took one
+    # Where the task channel was bound ("task port" or "local link"), kept after that link
+    # closes: a session binds its task channel once, so a hello captured on one transport and
+    # replayed on the other cannot take the tasks of a rank whose link broke.
+    task_bound: str | None = None
     result_channels: set[int] = field(default_factory=set)
     sent: dict[int, int] = field(default_factory=lambda: {CONTROL: 0, TASKS: 0})  # next counter per channel down
 
@@ -137,9 +142,10 @@ class Registry:
         if task_port:
             if channel != TASKS:
                 return f"channel {channel} on the task port"
-            if session.task_identity is not None:
-                return f"task channel of rank {session.rank} already bound (replayed hello?)"
-            session.task_identity = identity
+            if session.task_bound is not None:
+                return f"task channel of rank {session.rank} already bound on the {session.task_bound} " \
+                       "(replayed hello?)"
+            session.task_identity, session.task_bound = identity, "task port"
             self.task_links[identity] = Link(session, TASKS)
             return None
         if not FIRST_RESULTS <= channel < FIRST_RESULTS + MAX_RESULT_CHANNELS:
@@ -159,9 +165,9 @@ class Registry:
             return f"local link hello on stream {env.stream} counter {env.counter}"
         if peer_pid != session.pid:
             return f"local link of pid {peer_pid} for rank {session.rank}, whose pid is {session.pid}"
-        if session.task_identity is not None or session.local is not None:
-            return f"task channel of rank {session.rank} already bound (replayed hello?)"
-        session.local = link
+        if session.task_bound is not None:
+            return f"task channel of rank {session.rank} already bound on the {session.task_bound} (replayed hello?)"
+        session.local, session.task_bound = link, "local link"
         self.local_links[link] = Link(session, TASKS)
         return None
 
