@@ -45,8 +45,19 @@ typedef struct {
     unsigned char magic[MAGIC_BYTES];
     unsigned char version;
     Py_ssize_t max_frame;
-    PyObject *error;
+    PyObject *error; /* set by a successful __init__ only: NULL says the key was never initialised */
 } KeyObject;
+
+/* Key.__new__(Key) without __init__ has no key: its MAC would be HMAC under an all-zero state
+ * and its error type NULL.  Every method refuses such an object. */
+static int key_ready(const KeyObject *self)
+{
+    if (self->error != NULL)
+        return 1;
+    PyErr_SetString(PyExc_RuntimeError, "Key is not initialised: call Key(secret, magic, version, "
+                                         "max_frame_bytes, error)");
+    return 0;
+}
 
 static void hmac(const KeyObject *k, const unsigned char *data, size_t len, unsigned char out[TAG_BYTES])
 {
@@ -67,9 +78,9 @@ static int Key_init(KeyObject *self, PyObject *args, PyObject *kwds)
     if (!PyArg_ParseTuple(args, "y*y*inO:Key", &secret, &magic, &version, &max_frame, &error))
         return -1;
     int bad = magic.len != MAGIC_BYTES || version < 0 || version > 255 || max_frame < PREFIX_BYTES + TAG_BYTES + 1;
-    unsigned char key[HMAC_BLOCK] = {0};
+    unsigned char key[HMAC_BLOCK] = {0}, magic_bytes[MAGIC_BYTES];
     if (!bad) {
-        memcpy(self->magic, magic.buf, MAGIC_BYTES);
+        memcpy(magic_bytes, magic.buf, MAGIC_BYTES);
         if (secret.len > HMAC_BLOCK)
             sha256_with(sha256_blocks, secret.buf, (size_t)secret.len, key);
         else
@@ -86,6 +97,7 @@ static int Key_init(KeyObject *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "Key: error must be an exception type");
         return -1;
     }
+    /* Nothing of self changes before every argument passed: a failed re-init leaves the key as it was. */
     unsigned char pad[HMAC_BLOCK];
     for (int i = 0; i < HMAC_BLOCK; i++)
         pad[i] = key[i] ^ 0x36;
@@ -95,6 +107,7 @@ static int Key_init(KeyObject *self, PyObject *args, PyObject *kwds)
         pad[i] = key[i] ^ 0x5c;
     sha256_init(self->outer);
     sha256_blocks(self->outer, pad, 1);
+    memcpy(self->magic, magic_bytes, MAGIC_BYTES);
     self->version = (unsigned char)version;
     self->max_frame = max_frame;
     Py_INCREF(error);
@@ -110,6 +123,8 @@ static void Key_dealloc(KeyObject *self)
 
 static PyObject *Key_mac(KeyObject *self, PyObject *data)
 {
+    if (!key_ready(self))
+        return NULL;
     Py_buffer buf;
     if (PyObject_GetBuffer(data, &buf, PyBUF_SIMPLE) < 0)
         return NULL;
@@ -135,6 +150,8 @@ static uint64_t get_be(const unsigned char *p, int n)
 
 static PyObject *Key_seal(KeyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
+    if (!key_ready(self))
+        return NULL;
     if (nargs != 4) {
         PyErr_Format(PyExc_TypeError, "seal(body, session, stream, counter) takes 4 arguments, got %zd", nargs);
         return NULL;
@@ -228,6 +245,8 @@ static PyObject *open_buffer(KeyObject *self, const unsigned char *p, Py_ssize_t
 
 static PyObject *Key_open(KeyObject *self, PyObject *frame)
 {
+    if (!key_ready(self))
+        return NULL;
     if (PyBytes_Check(frame))
         return open_buffer(self, (const unsigned char *)PyBytes_AS_STRING(frame), PyBytes_GET_SIZE(frame));
     Py_buffer buf;
