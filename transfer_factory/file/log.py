@@ -23,7 +23,7 @@ from transfer_factory.file.segments import (
     DEAD, HEADER_SIZE, SEG_RE, Entry, Segment, new_segment, open_segment, scan, segment_size,
     try_lock_shared, unlock, unpack_header,
 )
-from transfer_factory.file.store_io import FILE_MODE, fs_space, fsync_dir, tighten, write_records
+from transfer_factory.file.store_io import FILE_MODE, Untrusted, fs_space, fsync_dir, tighten, write_records
 
 logger = logging.getLogger("transfer_factory.file.store")
 
@@ -48,6 +48,7 @@ class SegmentLog:
         self._active: Segment | None = None
         self._disk = 0                    # bytes of all segments this instance knows
         self._last_refresh = 0.0
+        self._refused: set[str] = set()   # segment names refused (not ours: DESIGN §4), logged once
 
     # ------------------------------------------------------------------------------------ the table
     @property
@@ -131,19 +132,24 @@ class SegmentLog:
                 if name not in present:                      # reclaimed (or cleared) by another process
                     index.drop_segment(seg)
                     self.forget(seg)
+            self._refused &= present
             for name in names:
                 seg = self._segments.get(name)
                 if seg is None:
+                    if name in self._refused:
+                        continue
                     try:
                         seg = open_segment(self.directory, name)
+                    except Untrusted as exc:                 # another user's, a symlink, a FIFO...
+                        self._refused.add(name)
+                        logger.warning("file store %s: refused segment %s: %s; never read", self.directory,
+                                       name, exc.why)
+                        continue
                     except OSError:
                         continue                             # removed meanwhile
                     self._segments[name] = seg
                     if opening:
-                        try:
-                            tightened += tighten(seg.path, os.fstat(seg.fd), FILE_MODE)
-                        except OSError:
-                            pass
+                        tightened += tighten(seg.fd, FILE_MODE)
                 if not seg.own:
                     skipped += self._scan_new_bytes(seg)
         return tightened, skipped

@@ -57,7 +57,7 @@ from typing import NamedTuple
 import xxhash
 
 from transfer_factory.file import _records
-from transfer_factory.file.store_io import O_CLOEXEC, create_private
+from transfer_factory.file.store_io import create_private, open_owned
 
 # The layout is defined once, in csrc/records.h; these are the C module's constants, and the
 # structs below must lay the fields out exactly as its HEADER_LAYOUT says (checked on import).
@@ -303,8 +303,9 @@ def new_segment(directory: str) -> Segment:
 
 
 def open_segment(directory: str, name: str) -> Segment:
+    """Another instance's segment; ``store_io.Untrusted`` when it is not a regular file of this user."""
     path = os.path.join(directory, name)
-    return Segment(name, path, os.open(path, os.O_RDWR | O_CLOEXEC), own=False)
+    return Segment(name, path, open_owned(path, os.O_RDWR), own=False)
 
 
 def try_lock_exclusive(fd: int) -> bool:
@@ -359,9 +360,9 @@ def remove_segment_files(directory: str, new_only: bool = False) -> int:
         path = os.path.join(directory, name)
         if NEW_RE.match(name):
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = open_owned(path, os.O_RDONLY)
             except OSError:
-                continue
+                continue                               # not ours (never touched) or gone
             try:
                 if not try_lock_exclusive(fd):
                     continue                           # its creator is alive and about to rename it

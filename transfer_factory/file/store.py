@@ -83,7 +83,10 @@ replaced one is re-scanned), never the old bytes.
 
 Modes: segment files are 0600 and every directory the store creates is 0700, whatever the umask;
 files and the store's own directories left looser by an older version are tightened on open; the
-fan-out directories of the older one-file-per-object format are removed on open.
+fan-out directories of the older one-file-per-object format are removed on open.  Trust (DESIGN §4):
+a root, namespace or rank directory that is a symlink or another user's is refused at open, naming
+it; a segment is opened O_NOFOLLOW|O_NONBLOCK and used only when it is a regular file of this user
+(anything else is logged once and never read); modes are set through fds, never by path.
 
 Options: ``root`` (default ``$CTM_FILE_STORE_ROOT``, else FastDeploy's ``$FILE_BACKEND_STORAGE_DIR``, else
 ``~/.cache/cache-transfer-manager/kv``),
@@ -104,8 +107,8 @@ from transfer_factory.file.segments import (DEAD, HEADER_SIZE, LIVE, remove_old_
                                              try_lock_exclusive)
 from transfer_factory.file.space import SpacePolicy
 from transfer_factory.file.store_io import (
-    DEFAULT_CAPACITY, DEFAULT_ROOT, DIR_MODE, ENV_CAPACITY, ENV_ROOT, OPTIONS, Views, makedirs_private,
-    resolve_options, tighten, valid_ptr, valid_size,
+    DEFAULT_CAPACITY, DEFAULT_ROOT, DIR_MODE, ENV_CAPACITY, ENV_ROOT, OPTIONS, Untrusted, Views, makedirs_private,
+    own_directory, resolve_options, valid_ptr, valid_size,
 )
 from transfer_factory.file.store_read import Reader
 from transfer_factory.file.store_write import Writer
@@ -149,23 +152,31 @@ class FileStore(KVCacheStorage):
         self.rank = rank
         self.root = Path(root)
         self.directory = self.root / namespace / f"rank{rank}"
+        tightened: list[str] = []
         try:
+            tightened = self._check_directories(missing_ok=True)    # never create anything through a symlink
             created = makedirs_private(str(self.directory))
+        except Untrusted:
+            created = []                                    # refused just below, naming it
         except OSError as exc:
             raise StorageConfigError(f"file store option root ({root_source}) {str(self.root)!r}: cannot create "
                                      f"{str(self.directory)!r}: {exc.strerror or exc}") from None
+        try:
+            tightened += self._check_directories()
+        except Untrusted as exc:
+            raise StorageConfigError(f"file store option root ({root_source}) {str(self.root)!r}: refusing "
+                                     f"{exc.filename!r}: {exc.why} (DESIGN §4: the store's directories must be "
+                                     f"its own)") from None
+        except OSError as exc:
+            raise StorageConfigError(f"file store option root ({root_source}) {str(self.root)!r}: cannot check "
+                                     f"{exc.filename or str(self.directory)!r}: {exc.strerror or exc}") from None
         if not os.access(self.directory, os.R_OK | os.W_OK | os.X_OK):
             raise StorageConfigError(f"file store option root ({root_source}) {str(self.root)!r}: "
                                      f"{str(self.directory)!r} is not writable")
         if created:
             logger.info("file store: created %s (mode %o)", ", ".join(created), DIR_MODE)
-        for own in (self.root / namespace, self.directory):
-            # These two are the store's own even when an older version or a looser umask made them.
-            try:
-                if tighten(str(own), os.stat(own), DIR_MODE):
-                    logger.info("file store: %s was readable by others; now mode %o", own, DIR_MODE)
-            except OSError:
-                pass
+        for own in tightened:
+            logger.info("file store: %s was open to others; now mode %o", own, DIR_MODE)
 
         st = os.stat(self.directory)
         self._dir_id = (st.st_dev, st.st_ino)
@@ -214,6 +225,24 @@ class FileStore(KVCacheStorage):
             e = self.index.get(key_digest(key))
             return None if e is None else Location(Path(e.seg.path), e.offset, e.size)
 
+    def _check_directories(self, missing_ok: bool = False) -> list[str]:
+        """Refuses (``Untrusted``) a root, namespace or rank directory that is a symlink, not a
+        directory, or another user's (the root may be root's: it can read everything anyway), so that
+        no other user can rename, plant or read there (DESIGN §4); makes the namespace and rank
+        directories 0700 (an older version or a looser umask may have left them open).  Returns
+        those it tightened."""
+        tightened = []
+        for d, mode in ((self.root, None), (self.root / self.namespace, DIR_MODE), (self.directory, DIR_MODE)):
+            try:
+                # The root existed before (or is a parent the store made): not the store's to chmod.
+                if own_directory(str(d), mode, root_ok=mode is None):
+                    tightened.append(str(d))
+            except FileNotFoundError:
+                if not missing_ok:
+                    raise
+                break
+        return tightened
+
     def _open(self) -> None:
         """Scans the rank directory into the index (oldest segment first), removes leftovers and
         trims to the capacity."""
@@ -256,6 +285,11 @@ class FileStore(KVCacheStorage):
             logger.warning("file store %s: directory unusable: %s", self.directory, exc.strerror or exc)
             return False
         if (st.st_dev, st.st_ino) != self._dir_id:
+            try:
+                self._check_directories()
+            except OSError as exc:
+                logger.warning("file store %s: the directory was replaced and is refused: %s", self.directory, exc)
+                return False
             logger.warning("file store %s: the directory was replaced; scanning the new one", self.directory)
             with self.segment_log.append_lock:
                 self._dir_id = (st.st_dev, st.st_ino)

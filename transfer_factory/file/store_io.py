@@ -10,6 +10,7 @@ import ctypes
 import errno
 import os
 import re
+import stat
 from typing import Any, Mapping, NamedTuple
 
 from transfer_factory.file import _records
@@ -21,6 +22,9 @@ DIR_MODE = 0o700
 
 IOV_MAX = 1024                                  # Linux's IOV_MAX: the most buffers one preadv/pwritev takes
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 # Errors that mean "the filesystem (or the user's quota) is full", as opposed to a broken disk.
 FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
 ENV_ROOT = "CTM_FILE_STORE_ROOT"
@@ -127,9 +131,52 @@ def read_all_at(fd: int, bufs: list, offset: int) -> int:
     return total
 
 
+class Untrusted(OSError):
+    """A path the store refuses to use (DESIGN §4): a symlink, something that is not a regular file
+    (or directory), or one another user owns.  Never read, never chmod-ed."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(errno.EPERM, why, path)
+        self.why = why
+
+
+def _owner_problem(st: os.stat_result, root_ok: bool = False) -> str | None:
+    uid = os.geteuid()
+    if st.st_uid == uid or (root_ok and st.st_uid == 0):
+        return None
+    return f"owned by uid {st.st_uid}, not by this process (uid {uid})"
+
+
+def open_owned(path: str, flags: int) -> int:
+    """Opens ``path`` only when it is a regular file this user owns: never through a symlink
+    (O_NOFOLLOW), never waiting on a FIFO (opened O_NONBLOCK, cleared for a regular file).  Raises
+    ``Untrusted`` for anything else (nothing is read from it), OSError when it cannot be opened."""
+    try:
+        fd = os.open(path, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise Untrusted(path, "a symlink") from None
+        if exc.errno in (errno.EISDIR, errno.ENXIO, errno.ENODEV):
+            raise Untrusted(path, "not a regular file") from None
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise Untrusted(path, f"not accessible ({exc.strerror})") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        why = "not a regular file" if not stat.S_ISREG(st.st_mode) else _owner_problem(st)
+        if why:
+            raise Untrusted(path, why)
+        if not flags & O_NONBLOCK:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def create_private(path: str) -> int:
     """Creates ``path`` exclusively for reading and writing, mode 0600 whatever the umask; the fd."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_CLOEXEC, FILE_MODE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, FILE_MODE)
     try:
         os.fchmod(fd, FILE_MODE)                    # a umask can only have removed bits; put back exactly 0600
     except BaseException:
@@ -147,9 +194,26 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _chmod_dir(path: str, mode: int, st: os.stat_result | None = None) -> bool:
+    """Sets a directory's mode through its fd (never through a symlink), only when it is still the
+    directory ``st`` describes (when given) and this user's; True when it changed something."""
+    fd = os.open(path, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+    try:
+        fst = os.fstat(fd)
+        if (st is not None and (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino)) or _owner_problem(fst):
+            return False
+        if (fst.st_mode & 0o7777) == mode:
+            return False
+        os.fchmod(fd, mode)
+        return True
+    finally:
+        os.close(fd)
+
+
 def makedirs_private(path: str) -> list[str]:
     """Creates ``path`` and its missing parents, each one this call creates mode 0700 whatever the
-    umask; directories that already exist are left as they are.  Returns the directories created."""
+    umask; directories that already exist are left as they are (``own_directory`` checks the
+    store's).  Returns the directories created."""
     missing = []
     p = os.path.abspath(path)
     while not os.path.isdir(p):
@@ -166,18 +230,36 @@ def makedirs_private(path: str) -> list[str]:
             if not os.path.isdir(d):
                 raise
             continue                                # another rank or thread made it meanwhile
-        os.chmod(d, DIR_MODE)                       # mkdir's mode is filtered by the umask
+        _chmod_dir(d, DIR_MODE)                     # mkdir's mode is filtered by the umask
         created.append(d)
     return created
 
 
-def tighten(path: str, st: os.stat_result, mode: int) -> bool:
-    """Drops group/other bits from a file or directory this user owns (one left by an older
-    version or another umask); True when it changed something."""
-    if st.st_uid != os.geteuid() or (st.st_mode & 0o7777) == mode:
+def own_directory(path: str, mode: int | None = DIR_MODE, root_ok: bool = False) -> bool:
+    """Refuses (``Untrusted``) ``path`` unless it is a directory, not a symlink, owned by this user
+    (or, with ``root_ok``, by root, who can read everything anyway); with ``mode``, sets that mode
+    (through the directory's fd) when it has another one.  True when it changed the mode."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise Untrusted(path, "a symlink")
+    if not stat.S_ISDIR(st.st_mode):
+        raise Untrusted(path, "not a directory")
+    why = _owner_problem(st, root_ok)
+    if why:
+        raise Untrusted(path, why)
+    if mode is None or (st.st_mode & 0o7777) == mode:
         return False
+    return _chmod_dir(path, mode, st)
+
+
+def tighten(fd: int, mode: int) -> bool:
+    """Drops group/other bits from an open file this user owns (one left by an older version or
+    another umask), through its fd, never by path; True when it changed something."""
     try:
-        os.chmod(path, mode)
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or (st.st_mode & 0o7777) == mode:
+            return False
+        os.fchmod(fd, mode)
         return True
     except OSError:
         return False
