@@ -19,6 +19,11 @@ SWAP_EVENTS = (CacheStatus.SWAP2CPU, CacheStatus.SWAP2GPU)
 _STATUS_OF = {int(s): s for s in CacheStatus}
 
 
+# The longest time budget a task may carry (about 11.6 days): a larger one is a bug or a
+# corrupted number, and would mean "never times out".
+MAX_TASK_BUDGET_S = 1e6
+
+
 class TaskFormatError(ValueError):
     """A task dict that does not have the fields its event type needs."""
 
@@ -100,16 +105,36 @@ def _str(d: dict, key: str) -> str:
     return value
 
 
-def task_deadline(d: dict) -> float | None:
-    """The task's absolute deadline on ``time.monotonic()`` (CLOCK_MONOTONIC, one clock for every
-    process of the host), or None for a task sent without one."""
-    deadline = d.get("deadline")
-    if deadline is None:
+def task_deadline(d: dict, shared_clock: bool, received: float) -> float | None:
+    """The task's deadline on this host's ``time.monotonic()``, or None for a task sent without
+    a budget.
+
+    The engine sends the task's time budget (``budget_s``) and its own clock when it stamped the
+    task (``sent_at``).  A rank on another host counts the budget from ``received``, when the task
+    arrived: the two monotonic clocks are unrelated (DESIGN §3.8).  A rank that reads the engine's
+    clock (``shared_clock``, settled at the handshake: ``queue.clocks``) counts it from
+    ``sent_at``, the engine's own deadline, so a rank stopped with tasks queued drops them on
+    waking rather than running what the engine gave up on.  An absolute ``deadline`` (what the
+    engine sent before budgets) is refused, never silently ignored."""
+    if "deadline" in d:
+        raise TaskFormatError("task field 'deadline' (a time on the sender's clock) is not accepted: "
+                              "a task carries its time budget in 'budget_s'")
+    budget = d.get("budget_s")
+    if budget is None:
         return None
-    if not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not math.isfinite(deadline) \
-            or not 0 < deadline < 1e12:
-        raise TaskFormatError(f"task deadline {deadline!r} must be a finite positive number of seconds")
-    return float(deadline)
+    if not _seconds(budget) or not 0 <= budget <= MAX_TASK_BUDGET_S:
+        raise TaskFormatError(f"task budget_s {budget!r:.80} must be a number of seconds in [0, {MAX_TASK_BUDGET_S:g}]")
+    deadline = received + budget
+    sent_at = d.get("sent_at")
+    if shared_clock and sent_at is not None:
+        if not _seconds(sent_at):
+            raise TaskFormatError(f"task sent_at {sent_at!r:.80} must be a finite number of seconds")
+        deadline = min(deadline, sent_at + budget)  # never later than counting from receipt
+    return deadline
+
+
+def _seconds(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
 
 
 def task_from_wire(d: Any) -> Task:

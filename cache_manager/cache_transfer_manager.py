@@ -188,7 +188,7 @@ class CacheTransferManager:
         task_id = task_id if isinstance(task_id, str) else "?"
         try:
             task = task_from_wire(wire_task)
-            deadline = task_deadline(wire_task)
+            deadline = task_deadline(wire_task, self.queue.shared_clock, time.monotonic())
             refusal = self.lifecycle.refusal()
             if refusal is not None:
                 raise TaskFormatError(refusal)

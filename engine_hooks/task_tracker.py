@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cache_manager.cache_data import CacheStatus
-from cache_manager.cache_tasks import RankResult
+from cache_manager.cache_tasks import MAX_TASK_BUDGET_S, RankResult
 
 from .errors import RankDiedError, ServiceClosed, TaskFailedError, TaskTimeoutError
 from .task_future import TaskFuture
@@ -111,14 +111,17 @@ class TaskTracker:
         return f"t{next(self._ids)}"
 
     def begin(self, task: dict, timeout: float, grace: float = 0.0) -> tuple[dict, TaskFuture, bool]:
-        """Stamp ``task`` (id, deadline) and track it.  Returns (the task, its future, whether it
+        """Stamp ``task`` (id, time budget) and track it.  Returns (the task, its future, whether it
         should be sent): a closed tracker or a dead rank fails the future at once."""
-        if not timeout > 0:
-            raise ValueError(f"timeout {timeout!r} must be positive")
+        if not 0 < timeout <= MAX_TASK_BUDGET_S:
+            raise ValueError(f"timeout {timeout!r} must be positive and at most {MAX_TASK_BUDGET_S:g} s")
         task = dict(task)
         task.setdefault("task_id", self.new_task_id())
         now = time.monotonic()
-        task["deadline"] = now + timeout  # the ranks' deadline, on the clock every process of the host shares
+        # A duration and the time it starts on this clock: a rank on another host counts the
+        # budget from when the task arrives, one on this host from now (cache_tasks.task_deadline).
+        task["budget_s"] = float(timeout)
+        task["sent_at"] = now
         with self.lock:
             if self._closed:
                 future = TaskFuture(released=True)

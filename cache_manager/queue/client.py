@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from cache_manager.queue.clocks import shares_engine_clock
 from cache_manager.queue import local_link
 from cache_manager.queue import wire
 from cache_manager.cache_tasks import RankResult, result_body
@@ -69,6 +70,7 @@ class EngineCacheQueueClient:
         self._poller.add_socket(self._waker.pull)
         self._session = wire.NO_SESSION
         self._expect = {CONTROL: 1, TASKS: 0}  # next counter per stream down (the welcome was 0)
+        self.shared_clock = False  # whether the engine reads our CLOCK_MONOTONIC (settled by the welcome)
         self._sent_control = 0
         self._control_lock = threading.Lock()
         self._thread_local = threading.local()
@@ -129,6 +131,7 @@ class EngineCacheQueueClient:
             self._drop("not our welcome", f"{body['type']!r} on stream {env.stream}", "server")
             return None
         self._session = env.session
+        self.shared_clock = shares_engine_clock(body.get("clock"))
         return port, path
 
     def _open_local_link(self, path: str) -> bool:

@@ -36,6 +36,7 @@ from typing import Callable
 
 import zmq
 
+from cache_manager.queue.clocks import engine_clock
 from cache_manager.queue import wire
 from cache_manager.cache_tasks import RankResult
 from cache_manager.queue.checks import (DropLog, LoopErrors, Refused, barrier_fields, is_int, rank_result_from_body,
@@ -352,7 +353,8 @@ class EngineCacheQueueServer:
         if session is None:  # never displace a live rank; the engine calls forget_rank when it is gone
             self._drop("refused", f"hello for rank {rank}, which is live (pid {current.pid})", peer)
             return
-        welcome = {"type": "welcome", "nonce": nonce, "rank": rank, "task_port": self.task_port}
+        welcome = {"type": "welcome", "nonce": nonce, "rank": rank, "task_port": self.task_port,
+                   "clock": engine_clock()}
         if self._local is not None:
             welcome["local_path"] = self._local.path
         self._send(session, welcome)
