@@ -1,0 +1,149 @@
+"""What a CTM rank publishes to its peers, and whether two ranks can exchange blocks.
+
+A descriptor travels between engines out of band (over the authenticated control plane, or the
+router's own channel), so ``from_wire`` trusts nothing: every field is checked for its type and
+range and a bad one is named.  ``compatible_layouts`` refuses a link before any byte moves when
+the two caches would not mean the same thing block for block: another model or model version,
+another dtype, block size, layer count, head size, kv-head split, or MLA on one side only.
+Transports are chosen by capability (``choose_transport``), never by the peer's name.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+ROLES = ("prefill", "decode")
+# The transports a rank may offer, best first: the same-host path copies from the peer's
+# exported segments and opens no port; the Transfer Engine crosses hosts.
+TRANSPORTS = ("ipc", "mooncake")
+MAX_NAME_CHARS = 256
+
+
+class LayoutMismatch(ValueError):
+    """Two ranks whose caches cannot exchange blocks; ``field`` names the first difference."""
+
+    def __init__(self, field_name: str, local: Any, peer: Any):
+        super().__init__(f"cannot link: {field_name} differs (here {local!r}, peer {peer!r})")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The cache layout of one rank, as far as a peer needs it to read or write its blocks."""
+
+    model_id: str
+    model_version: str
+    cache_dtype: str
+    block_size: int
+    num_layers: int
+    kv_heads: int  # per rank
+    head_dim: int
+    mla: bool
+    num_blocks: int  # this rank's device blocks (a peer checks block ids against it)
+    block_bytes: int  # bytes of one block of one layer, all kinds together
+
+    # Compared at link time, in this order: the first that differs is named.
+    MUST_MATCH = ("model_id", "model_version", "cache_dtype", "block_size", "num_layers", "head_dim",
+                  "kv_heads", "mla", "block_bytes")
+
+
+@dataclass(frozen=True)
+class PeerDescriptor:
+    instance_id: str
+    role: str
+    rank: int
+    tp: int
+    layout: CacheLayout
+    boot_id: str  # the host's kernel boot id: the same-host transport needs the same kernel
+    transports: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> what a peer needs to use it
+
+    def __post_init__(self) -> None:
+        _text("instance_id", self.instance_id)
+        if self.role not in ROLES:
+            raise ValueError(f"descriptor role {self.role!r} must be one of {ROLES}")
+        _count("tp", self.tp)
+        if not (type(self.rank) is int and 0 <= self.rank < self.tp):
+            raise ValueError(f"descriptor rank {self.rank!r} must be in [0, tp={self.tp})")
+        unknown = sorted(set(self.transports) - set(TRANSPORTS))
+        if unknown:
+            raise ValueError(f"descriptor offers unknown transports {unknown}; known: {TRANSPORTS}")
+
+    def to_wire(self) -> dict:
+        """Plain data (msgpack-able: str, int, bool, lists and maps), never a pickled object."""
+        out = asdict(self)
+        out["transports"] = {name: dict(params) for name, params in self.transports.items()}
+        return out
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "PeerDescriptor":
+        """The descriptor a peer sent; raises ValueError naming the first bad field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a descriptor must be a map, got {type(d).__name__}")
+        layout = d.get("layout")
+        if not isinstance(layout, dict):
+            raise ValueError("descriptor field 'layout' must be a map")
+        transports = d.get("transports", {})
+        if not isinstance(transports, dict) or not all(isinstance(v, dict) for v in transports.values()):
+            raise ValueError("descriptor field 'transports' must map transport names to maps")
+        return cls(instance_id=d.get("instance_id"), role=d.get("role"), rank=d.get("rank"), tp=d.get("tp"),
+                   layout=_layout(layout), boot_id=_text("boot_id", d.get("boot_id"), empty=True),
+                   transports=transports)
+
+
+def compatible_layouts(local: PeerDescriptor, peer: PeerDescriptor) -> None:
+    """Raise ``LayoutMismatch`` naming the first field that keeps ``local`` and ``peer`` from
+    exchanging blocks.  Different TP sizes are refused here (the kv heads a rank holds differ)."""
+    if local.instance_id == peer.instance_id:
+        raise LayoutMismatch("instance_id", local.instance_id, peer.instance_id)
+    if local.tp != peer.tp:
+        raise LayoutMismatch("tp", local.tp, peer.tp)
+    if local.rank != peer.rank:
+        raise LayoutMismatch("rank", local.rank, peer.rank)
+    for name in CacheLayout.MUST_MATCH:
+        mine, theirs = getattr(local.layout, name), getattr(peer.layout, name)
+        if mine != theirs:
+            raise LayoutMismatch(name, mine, theirs)
+
+
+def choose_transport(local: PeerDescriptor, peer: PeerDescriptor, forced: str | None = None) -> str:
+    """The best transport both offer: ``ipc`` only when both run on one kernel.  ``forced``
+    (``--pd-transport``) must be offered by both, or the link is refused naming it."""
+    both = [name for name in TRANSPORTS if name in local.transports and name in peer.transports]
+    if local.boot_id != peer.boot_id or not local.boot_id:
+        both = [name for name in both if name != "ipc"]
+    if forced is not None and forced != "auto":
+        if forced not in both:
+            raise ValueError(f"transport {forced!r} is not offered by both sides here (usable: {both or 'none'})")
+        return forced
+    if not both:
+        raise ValueError(f"no transport in common: here {sorted(local.transports)}, peer {sorted(peer.transports)}"
+                         + (" (ipc needs both on one host)" if "ipc" in local.transports else ""))
+    return both[0]
+
+
+def _layout(d: dict) -> CacheLayout:
+    values = {}
+    for name, kind in (("model_id", str), ("model_version", str), ("cache_dtype", str), ("block_size", int),
+                       ("num_layers", int), ("kv_heads", int), ("head_dim", int), ("mla", bool),
+                       ("num_blocks", int), ("block_bytes", int)):
+        value = d.get(name)
+        if kind is str:
+            _text(f"layout.{name}", value, empty=name == "model_version")
+        elif kind is int:
+            _count(f"layout.{name}", value)
+        elif type(value) is not bool:
+            raise ValueError(f"descriptor field layout.{name} {value!r:.80} must be a bool")
+        values[name] = value
+    return CacheLayout(**values)
+
+
+def _text(name: str, value: Any, empty: bool = False) -> str:
+    if type(value) is not str or len(value) > MAX_NAME_CHARS or (not value and not empty):
+        raise ValueError(f"descriptor field {name} {value!r:.80} must be a non-empty string of at most {MAX_NAME_CHARS}")
+    return value
+
+
+def _count(name: str, value: Any) -> int:
+    if type(value) is not int or not 0 < value < 2**40:
+        raise ValueError(f"descriptor field {name} {value!r:.80} must be a positive integer")
+    return value
