@@ -31,6 +31,7 @@ LATCHED_CALLS = ("exists", "batch_get", "batch_set", "batch_get_multi", "batch_s
 class LatchedStore(KVCacheStorage):
     name = "latched"
     supports_multi_buffer = True
+    honours_commit_lease = True  # the inner FileStore, called on the same thread, asks the CTM's lease
 
     def __init__(self, *, namespace: str, rank: int, options: Mapping[str, Any] | None = None):
         options = dict(options or {})

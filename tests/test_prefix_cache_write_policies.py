@@ -172,7 +172,8 @@ def test_a_write_back_in_flight_keeps_its_blocks_until_every_rank_released_it(sv
 def test_a_write_back_from_host_keeps_its_bounce_block_until_released(tmp_path, monkeypatch):
     """Every store write hangs (a latched FileStore): the bounce block of a host write-back stays
     pinned until the write is released; the next host eviction finds none free and drops its
-    block unwritten rather than reuse it.  The late write stores the right bytes."""
+    block unwritten rather than reuse it.  The late write stores nothing: its commit lease was
+    revoked when the task answered (DESIGN §3.8, issue 24 item 10)."""
     latch = tmp_path / "latch"
     latch.mkdir()
     svc = start_service(SPEC, tp=2, num_cpu_blocks=8, storage_backend="latched", extra_env=PLUGIN_ENV,
@@ -199,13 +200,13 @@ def test_a_write_back_from_host_keeps_its_bounce_block_until_released(tmp_path, 
         cache.reap()
         assert not cache.pinned(3) and assert_accounted(cache)["bounce"] == 1
         assert cache.stats.storage_write_blocks == 0
-        (latch / "batch_set").unlink()  # the late write goes on, from its snapshot: a's bytes
+        (latch / "batch_set").unlink()  # the late write goes on and is refused at its commit
         deadline = time.monotonic() + 10
         while not all((latch / f"batch_set.done.{r}").exists() for r in range(2)):
             assert time.monotonic() < deadline, "the late write never returned"
             time.sleep(0.01)
         lease, _ = run(cache, svc, a, 0, expect=content)
-        assert lease.sources == ["storage"]
+        assert lease.sources == ["miss"], "an object was stored after its task answered"
         assert cache.drain()
         assert_accounted(cache)
     finally:

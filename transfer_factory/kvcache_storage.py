@@ -34,12 +34,20 @@ device caches themselves.  The CTM asks; it never branches on backend names.
 ``staged_read_piece_bytes`` (0: one call per chunk) is for backends whose reads are CPU copies
 with no round trip to pay per call (the file store): the CTM reads a staged chunk in pieces of
 about this size and scatters each while it is still in the CPU cache.
+``honours_commit_lease`` (False: never) says that ``batch_set[_multi]`` asks the calling thread's
+``CommitLease`` (``commit_lease``) just before its commit point and stores nothing when refused:
+the CTM can then let a write call outlive its task without an object landing after the answer
+(DESIGN §3.8).  A backend that cannot (one opaque SDK call) leaves it False, and the CTM reports
+such a call as still in flight.
 """
 from __future__ import annotations
 
 import enum
+import threading
+import time
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 # Per-key result codes.  NOT_FOUND and BUFFER_TOO_SMALL keep Mooncake's values.
 OK = 0
@@ -71,6 +79,7 @@ class KVCacheStorage(ABC):
     access: StorageAccess = StorageAccess.HOST_STAGED
     supports_multi_buffer: bool = False
     staged_read_piece_bytes: int = 0
+    honours_commit_lease: bool = False
 
     @abstractmethod
     def register_buffer(self, ptr: int, size: int) -> None: ...
@@ -135,3 +144,58 @@ def check_batch(keys: Sequence[str], ptrs: Sequence[object], sizes: Sequence[obj
     """Refuses batches whose lists differ in length (a caller bug, not a per-key failure)."""
     if not (len(keys) == len(ptrs) == len(sizes)):
         raise ValueError(f"batch of {len(keys)} keys with {len(ptrs)} buffers and {len(sizes)} sizes")
+
+
+class CommitLease:
+    """Lets a backend write call commit (make its objects visible to anyone) only while the task
+    that made it still waits for it: DESIGN §3.8, no object is written after the task's result
+    left the rank.  The backend calls ``begin()`` just before its commit point and stores nothing
+    when it answers False, then ``end()``; the task calls ``revoke()`` before it answers, which
+    says whether a commit is under way (begun, not ended): then the answer reports the call as
+    still in flight.  ``revoke`` never waits for the backend, so a stalled disk cannot delay an
+    answer."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self._revoked = False
+        self._committing = False
+        self._lock = threading.Lock()
+
+    def begin(self) -> bool:
+        """Whether the caller may commit now (the lease is live and its deadline not passed)."""
+        with self._lock:
+            if self._revoked or time.monotonic() >= self.deadline:
+                self._revoked = True
+                return False
+            self._committing = True
+            return True
+
+    def end(self) -> None:
+        """The commit begun is over (done or failed); another may begin while the lease lives."""
+        with self._lock:
+            self._committing = False
+
+    def revoke(self) -> bool:
+        """No commit may begin from now on; True when one is under way (it may still land)."""
+        with self._lock:
+            self._revoked = True
+            return self._committing
+
+
+_lease = threading.local()  # a backend call runs on one thread from start to return
+
+
+@contextmanager
+def commit_lease(lease: CommitLease | None) -> Iterator[None]:
+    """Makes ``lease`` the calling thread's for the backend calls made inside."""
+    previous = getattr(_lease, "current", None)
+    _lease.current = lease
+    try:
+        yield
+    finally:
+        _lease.current = previous
+
+
+def current_commit_lease() -> CommitLease | None:
+    """The lease of the backend call running on this thread, or None (no deadline to honour)."""
+    return getattr(_lease, "current", None)

@@ -11,7 +11,12 @@ CLEARED -2); the serve loop calls ``step()`` every iteration.
    engine refuses new ones itself once it has set CLEARING);
 2. waits for the tasks it has in flight to finish (each has a deadline; a late storage I/O is
    waited for, bounded by ``DRAIN_TIMEOUT``), so every future resolves and none hangs;
-3. closes its storage mover and backend (the namespace changes with the weights);
+3. closes its storage mover and backend (the namespace changes with the weights), off the serve
+   thread: it waits, polling, up to ``STORAGE_CLOSE_WAIT`` for backend calls that outlived their
+   tasks (the backend is never closed under a running call: it closes once they return), then
+   goes on, logging and counting (``late_storage_calls``) those still running.  None of them can
+   store an object: a write that could is reported in flight and held the drain of step 2, and
+   the others' commit leases are revoked (DESIGN §3.8);
 4. frees its host swap space when ``FD_ENABLE_SWAP_SPACE_CLEARING`` is set
    (``swap_space_ready_signal[rank] = 0``);
 5. detaches every device cache and sets ``cache_ready_signal[rank] = 0`` and
@@ -33,7 +38,8 @@ that fails to restore stays detached and the status stays UPDATING, so the engin
 times out naming it.  KV written under the old weights lives under the old namespace: it is never
 served after the update.
 
-The lifecycle drives the rank's ``RankResources`` through their methods only; it is given them,
+The lifecycle drives the rank's ``RankResources`` through their methods only (and their storage
+mover's ``begin_close``/``closed``/``calls_running``, to close it without blocking); it is given them,
 the task scheduler, the rank's signals and the queue (for the barriers), never the CTM.
 """
 from __future__ import annotations
@@ -52,6 +58,7 @@ from cache_manager.rank.signals import RankSignals
 
 SWAP_CLEARING_ENV = "FD_ENABLE_SWAP_SPACE_CLEARING"
 DRAIN_TIMEOUT = 60.0  # seconds of draining after which a rank logs the tasks that still hold its blocks
+STORAGE_CLOSE_WAIT = 5.0  # seconds a clear waits for storage calls that outlived their tasks, then goes on
 RESTORE_RETRY_PAUSE = 0.5  # seconds between a failed restore and the next try (the status stays UPDATING)
 CLEARED_STEP, RESTORED_STEP = "cleared", "restored"  # the lock-step barriers' steps
 
@@ -79,6 +86,8 @@ class KvCacheLifecycle:
         self._drain_started = 0.0
         self._drain_overdue_logged = False
         self._swap_freed = False
+        self._storage_closing_since: float | None = None
+        self.late_storage_calls = 0  # backend calls still running when a clear went on without them
 
     # ------------------------------------------------------------------ state
     def status(self) -> int:
@@ -136,6 +145,7 @@ class KvCacheLifecycle:
         self.cleared = True  # refusal() answers every task from here on
         self._drain_started = time.monotonic()
         self._drain_overdue_logged = False
+        self._storage_closing_since = None
 
     def _finish_clear_when_drained(self) -> None:
         """Detach once no task holds a block.  A task whose I/O outlived its deadline still holds
@@ -149,8 +159,10 @@ class KvCacheLifecycle:
                 self._log.error("[RL] %d tasks still hold their blocks after %.0fs; the caches stay attached until "
                                 "they release them (restart this rank to end their I/O)", held, DRAIN_TIMEOUT)
             return
+        if not self._storage_closed():
+            return
         rank, resources = self._rank, self._resources
-        resources.close_storage()  # the namespace changes with the weights
+        resources.close_storage()  # the namespace changes with the weights (closing began: no wait here)
         if _enabled(SWAP_CLEARING_ENV):
             resources.free_swap()
             self._swap_freed = True
@@ -161,6 +173,28 @@ class KvCacheLifecycle:
         self._signals[CACHE_READY_SIGNAL].value[rank] = 0
         self._log.info("[RL] rank %d cleared: caches detached%s", rank,
                        ", swap space freed" if self._swap_freed else "")
+
+    def _storage_closed(self) -> bool:
+        """Begins closing the storage mover without waiting, and says whether the clear may go on:
+        every backend call has returned and the backend is closed, or ``STORAGE_CLOSE_WAIT`` is over
+        (then those still running are counted and logged; they store nothing, and the old backend
+        closes when they return).  Polled from ``step``, so the serve thread never blocks on I/O."""
+        storage = getattr(self._resources, "storage", None)
+        if storage is None or not hasattr(storage, "begin_close"):
+            return True
+        if self._storage_closing_since is None:
+            storage.begin_close()
+            self._storage_closing_since = time.monotonic()
+        if storage.closed():
+            return True
+        if time.monotonic() - self._storage_closing_since < STORAGE_CLOSE_WAIT:
+            return False
+        running = storage.calls_running()
+        self.late_storage_calls += running
+        self._log.error("[RL] %d storage calls still running %.0fs into the clear; it goes on without them: they "
+                        "store nothing (their tasks answered, their leases are revoked), and the old backend closes "
+                        "when they return", running, STORAGE_CLOSE_WAIT)
+        return True
 
     # ------------------------------------------------------------------ restore
     def _restore(self) -> None:

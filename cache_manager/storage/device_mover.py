@@ -22,11 +22,11 @@ from typing import Any, Callable, Sequence
 from transfer_factory.device_storage import Addressing, BlockSpan, DeviceKVStorage, RankCaches
 
 from cache_manager.cache_tasks import Outcome, ReadStorageTask, WriteStorageTask
-from cache_manager.storage.io_threads import (IO_BACKLOG, KIND_TAGS, IOThread, begin_task_stats, check_block_ids, close_backend_within,
-                         read_span, start_call, wait_call)
+from cache_manager.storage.io_threads import (IO_BACKLOG, KIND_TAGS, ClosesOffThread, IOThread, begin_task_stats,
+                                              check_block_ids, read_span, start_call, wait_call)
 
 
-class DeviceStorageMover:
+class DeviceStorageMover(ClosesOffThread):
     def __init__(self, backend: DeviceKVStorage, groups: Sequence[tuple[str, list[Any]]], rank: int, tp_size: int,
                  device_id: int, block_size: int, log: logging.Logger, io_backlog: int = IO_BACKLOG):
         self.backend = backend
@@ -99,11 +99,3 @@ class DeviceStorageMover:
             loaded, late = self._call("read", self.backend.load, head, deadline, f"read of {present} blocks")
         return Outcome(list(task.gpu_block_ids[:loaded]), loaded * self._block_bytes, late, stats.calls,
                        stats.failures)
-
-    def close(self, timeout: float = 5.0, close_backend: bool = True) -> None:
-        """Stop the I/O threads and (unless told not to) close the backend, waiting at most
-        ``timeout`` for each."""
-        for io in self._io.values():
-            io.stop(timeout)
-        if close_backend:
-            close_backend_within(self.backend, timeout, self.log)

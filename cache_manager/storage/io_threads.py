@@ -17,6 +17,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from transfer_factory.log_tags import key_tag, redact
+
 IO_BACKLOG = 4  # backend calls queued per direction before new ones fail at once
 KIND_TAGS = {"key_caches": "k", "value_caches": "v", "key_cache_scales": "k_scale", "value_cache_scales": "v_scale"}
 
@@ -57,6 +59,7 @@ class IOThread:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._backlog = backlog
         self._queued = 0
+        self._running = False             # a call is executing now
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -91,16 +94,32 @@ class IOThread:
                 future.cancel()  # its task has answered: starting now would act on what it no longer owns
             if not future.set_running_or_notify_cancel():
                 continue
+            self._running = True
             try:
                 future.set_result(fn())
             except BaseException as exc:  # the task's thread reports it; this thread lives on
                 future.set_exception(exc)
+            finally:
+                self._running = False
+
+    def busy(self) -> int:
+        """Calls executing or queued."""
+        with self._lock:
+            return self._queued + int(self._running)
+
+    def request_stop(self) -> None:
+        """The worker ends once the calls queued before this are done (or cancelled, past their deadline)."""
+        self._queue.put(None)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Whether the worker ended (within ``timeout``)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def stop(self, timeout: float) -> bool:
         """Ask the worker to finish; True if it did within ``timeout``."""
-        self._queue.put(None)
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        self.request_stop()
+        return self.join(timeout)
 
 
 class ScatterLease:
@@ -150,7 +169,7 @@ def wait_call(future: Future, deadline: float, what: str, backend: str, log: log
         return None, running
     except Exception as exc:
         current_task_stats().failures += 1
-        log.error("storage %s failed: %s: %s", what, type(exc).__name__, exc)
+        log.error("storage %s failed: %s: %s", what, type(exc).__name__, redact(exc))  # a backend's text may hold keys
         return None, False
 
 
@@ -160,9 +179,9 @@ def check_block_ids(gpu_ids: Sequence[int], hashes: Sequence[str], device_blocks
         raise ValueError(f"{what}: {len(hashes)} keys but {len(gpu_ids)} gpu_block_ids")
     if len(set(gpu_ids)) != len(gpu_ids):
         raise ValueError(f"{what}: gpu_block_ids repeat a block")
-    for h in hashes:
+    for i, h in enumerate(hashes):
         if not h or "/" in h:
-            raise ValueError(f"{what}: key {h!r} must be a non-empty block hash without '/'")
+            raise ValueError(f"{what}: key at position {i} ({key_tag(h)}) must be a non-empty block hash without '/'")
     for i, gid in enumerate(gpu_ids):
         if not 0 <= gid < device_blocks:
             raise ValueError(f"device block id {gid} at position {i} is out of range [0, {device_blocks})")
@@ -185,11 +204,96 @@ def leading(ok: Sequence[bool] | None) -> int:
     return n
 
 
-def close_backend_within(backend: Any, timeout: float, log: logging.Logger) -> None:
-    """Close ``backend`` on a daemon thread, waiting at most ``timeout``: a client stuck on a dead
-    server must not hold up the CTM's exit."""
-    closer = threading.Thread(target=backend.close, name="storage-close", daemon=True)
-    closer.start()
-    closer.join(timeout)
-    if closer.is_alive():
-        log.error("storage backend %s did not close within %.0fs", backend.name, timeout)
+class Closing:
+    """A mover's close, off the caller's thread: the I/O threads are told to stop, and a daemon
+    thread waits for each to end (however long its running backend call takes), then closes the
+    backend.  So a backend is never closed under a running call (a client torn down under its own
+    call may crash the process), and the caller (the serve thread, during an RL clear) waits only
+    as long as it chooses (``wait``).  Host memory is the caller's to free once ``calls_ended``:
+    a platform may free it only on a thread that set its device up."""
+
+    def __init__(self, ios: Sequence[IOThread], backend: Any, close_backend: bool, log: logging.Logger) -> None:
+        self._ios = list(ios)
+        self._backend = backend
+        self._close_backend = close_backend
+        self._log = log
+        for io in self._ios:
+            io.request_stop()
+        self._thread = threading.Thread(target=self._run, name="storage-close", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for io in self._ios:
+            io.join()
+        try:
+            if self._close_backend:
+                self._backend.close()
+        except Exception as exc:  # nothing else to do with it: the mover is gone
+            self._log.error("storage backend %s did not close cleanly: %s: %s", self._backend.name,
+                            type(exc).__name__, exc)
+
+    def calls_running(self) -> int:
+        """Backend calls not yet returned (executing or queued)."""
+        return sum(io.busy() for io in self._ios)
+
+    def calls_ended(self) -> bool:
+        """Every I/O thread has ended: no backend call can use a buffer any more."""
+        return all(io.join(0) for io in self._ios)
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the close finished within ``timeout``."""
+        self._thread.join(timeout)
+        return self.done()
+
+
+class ClosesOffThread:
+    """The close both storage movers share, over their ``_io`` threads, ``backend`` and ``log``:
+    ``begin_close`` never waits (the RL clear polls ``closed`` from the serve loop), ``close``
+    waits a bounded time.  Subclasses revoke what must not commit any more (``_before_close``) and
+    free their host buffers (``_free_buffers``, on the polling thread, once no call can use them)."""
+
+    _io: dict[str, IOThread]
+    backend: Any
+    log: logging.Logger
+    _closing: Closing | None = None
+
+    def _before_close(self) -> None:
+        """Called once, first."""
+
+    def _free_buffers(self) -> None:
+        """Called (maybe more than once) once every backend call has returned."""
+
+    def begin_close(self, close_backend: bool = True) -> None:
+        """Start closing without waiting: the I/O threads stop and, once their calls have returned,
+        the backend is closed (unless told not to): never under a running call."""
+        if self._closing is None:
+            self._before_close()
+            self._closing = Closing(list(self._io.values()), self.backend, close_backend, self.log)
+
+    def closed(self) -> bool:
+        """A close was begun, every backend call returned and the backend is closed."""
+        if self._closing is None:
+            return False
+        if self._closing.calls_ended():
+            self._free_buffers()
+        return self._closing.done()
+
+    def calls_running(self) -> int:
+        """Backend calls not yet returned."""
+        return sum(io.busy() for io in self._io.values())
+
+    def close(self, timeout: float = 5.0, close_backend: bool = True) -> None:
+        """``begin_close``, then wait at most ``timeout`` for it, unless a close was already begun (its
+        caller chose how long to wait).  A call that never returns keeps the backend open, and its
+        buffers allocated, until process exit."""
+        begun = self._closing is not None
+        self.begin_close(close_backend)
+        assert self._closing is not None
+        if not begun and not self._closing.wait(timeout):
+            self.log.error("storage: %d backend calls still running %.0fs into the close; %s closes once they "
+                           "return", self._closing.calls_running(), timeout, self.backend.name)
+        self.closed()                             # frees the buffers if no call can use them
+

@@ -12,8 +12,12 @@ move the bytes, chosen from what the platform and the backend say they can do:
   into the device blocks on the task's thread, only if the whole call succeeded before the
   deadline.  A backend call that outlives its task touches only its staging buffer, which
   stays out of use until the call returns: a late call can neither change a device block
-  nor store bytes the engine wrote after the task (it stores the snapshot taken while the
-  task was live, under the key those bytes belong to).  A backend that reads by CPU copies
+  nor store bytes the engine wrote after the task.  Nor does it store anything after the
+  answer (DESIGN §3.8): a write call runs under the task's ``CommitLease``, revoked before the
+  task answers; a backend that honours leases (the file store) then commits nothing, and a
+  call that had begun committing, or whose backend cannot honour a lease (Mooncake's put is
+  one call), is reported still in flight (``released=False``) until it returns, so the engine
+  and an RL clear count it.  A backend that reads by CPU copies
   (``staged_read_piece_bytes``, the file store), on a platform whose copies cannot stall,
   is read in pieces when a chunk spans several: the I/O thread reads a piece into the first
   staging slots and scatters it while it is still in the CPU cache, under a ``ScatterLease``
@@ -35,6 +39,7 @@ failed tasks, never as memory growth or a hang.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -45,12 +50,12 @@ import numpy as np
 import ops
 from ops.platform import Platform
 from transfer_factory.keys import Namespace, storage_key
-from transfer_factory.kvcache_storage import KVCacheStorage, StorageAccess
+from transfer_factory.kvcache_storage import CommitLease, KVCacheStorage, StorageAccess, commit_lease
 
 from cache_manager.cache_tasks import Outcome, ReadStorageTask, WriteStorageTask
-from cache_manager.storage.io_threads import (IO_BACKLOG, KIND_TAGS, IOThread, ScatterLease, StorageBusy,
+from cache_manager.storage.io_threads import (IO_BACKLOG, KIND_TAGS, ClosesOffThread, IOThread, ScatterLease, StorageBusy,
                          begin_task_stats,
-                         check_block_ids, close_backend_within, current_task_stats, leading, read_span, start_call,
+                         check_block_ids, current_task_stats, leading, read_span, start_call,
                          wait_call)
 from cache_manager.storage.staging import StagingBuffer, StagingBuffers
 from cache_manager.storage.transfer_modes import resolve_transfer
@@ -80,7 +85,7 @@ class _Chunk:
     still_running: Future | None = None  # a direct call past the deadline: it still touches the blocks
 
 
-class StorageMover:
+class StorageMover(ClosesOffThread):
     def __init__(self, platform: Platform, backend: KVCacheStorage, groups: Sequence[tuple[str, list[Any]]],
                  namespace: Namespace, rank: int, max_blocks: int, transfer: str, log: logging.Logger,
                  staging_buffers: int = STAGING_BUFFERS, io_backlog: int = IO_BACKLOG):
@@ -104,6 +109,9 @@ class StorageMover:
         # threads that move the bytes (io_nice, see storage_io.IOThread).
         nice = int(getattr(backend, "io_nice", 0) or 0)
         self._io = {d: IOThread(f"storage-{d}-io", io_backlog, nice) for d in ("read", "write")}
+        self._honours_lease = bool(getattr(backend, "honours_commit_lease", False))
+        self._leases: set[CommitLease] = set()   # of write calls not yet returned: revoked by a close
+        self._leases_lock = threading.Lock()
         if self.direct:
             for g in self.groups:
                 for t in g.tensors:
@@ -216,20 +224,45 @@ class StorageMover:
             self._staging.give_back("write", buf)
             raise
         ptrs, sizes = self._staged_batch(buf, len(gpu_ids))
+        lease = CommitLease(deadline)
 
         def job() -> list[int]:
             self._staging.register(buf)
-            return self.backend.batch_set(keys, ptrs, sizes)
+            with commit_lease(lease):
+                return self.backend.batch_set(keys, ptrs, sizes)
 
         future = self._start("write", job, deadline, what)
         if future is None:
             self._staging.give_back("write", buf)
             return _Chunk()
-        future.add_done_callback(lambda _f: self._staging.give_back("write", buf))  # also on cancel
-        res, _ = self._wait(future, deadline, what)  # a late call only reads its own snapshot
+        with self._leases_lock:
+            self._leases.add(lease)
+
+        def returned(_f: Future) -> None:  # also on cancel
+            self._staging.give_back("write", buf)
+            with self._leases_lock:
+                self._leases.discard(lease)
+
+        future.add_done_callback(returned)
+        res, running = self._wait(future, deadline, what)  # a late call only reads its own snapshot
+        if running:
+            return self._late_write(future, lease, what)
         if res is None:
             return _Chunk()
         return _Chunk(leading(self._per_block([r == 0 for r in res], len(hashes))))
+
+    def _late_write(self, future: Future, lease: CommitLease, what: str) -> _Chunk:
+        """A staged write still running at its task's deadline: revoke its lease before the task
+        answers.  Unless the backend had begun committing, or cannot honour a lease, it now stores
+        nothing; otherwise its objects may still land, so the answer reports the call in flight."""
+        committing = lease.revoke()
+        if committing or not self._honours_lease:
+            self.log.error("storage %s: the late call may still store its objects (%s); the answer reports it "
+                           "in flight until it returns", what,
+                           "it had begun committing" if committing else f"{self.backend.name} cannot refuse a commit")
+            return _Chunk(still_running=future)
+        self.log.warning("storage %s: its lease is revoked; the late call stores nothing", what)
+        return _Chunk()
 
     def _finish_direct(self, future: Future | None, deadline: float, what: str,
                        ok: Callable[[list[int]], list[bool]], n: int) -> _Chunk:
@@ -354,12 +387,13 @@ class StorageMover:
         current_task_stats().calls += calls - 1
         return _Chunk(loaded)
 
-    def close(self, timeout: float = 5.0, close_backend: bool = True) -> None:
-        """Stop the I/O threads and (unless told not to) close the backend, waiting at most
-        ``timeout`` for each.  Staging buffers still held by a backend call that never
-        returned are left to process exit."""
-        idle = all(io.stop(timeout) for io in self._io.values())
-        if idle:
-            self._staging.free_all()
-        if close_backend:
-            close_backend_within(self.backend, timeout, self.log)
+    # ------------------------------------------------------------------ close (ClosesOffThread)
+    def _before_close(self) -> None:
+        """A write call still running commits nothing from now on (the RL clear, the CTM's exit)."""
+        with self._leases_lock:
+            leases = list(self._leases)
+        for lease in leases:
+            lease.revoke()
+
+    def _free_buffers(self) -> None:
+        self._staging.free_all()                  # idempotent

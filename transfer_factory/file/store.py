@@ -32,7 +32,11 @@ Each process appends only to segments it created and holds shared (flock) while 
 segment is sealed once past the segment size (``segments.segment_size``), and the next batch
 opens a new one.  A ``batch_set`` of a key already indexed with the same size, whose record on
 disk is still live, is a success that writes nothing: the key names the content (the same key is
-the same prefix's KV), so the first copy stays.
+the same prefix's KV), so the first copy stays; when that copy lies in another process's segment
+not yet known durable, that segment is fdatasynced first (that process may be paused between its
+write and its sync), and ``exists`` does the same before answering 1 (store_write.Durability).
+A ``batch_set`` run under a ``CommitLease`` (the CTM's tasks) appends nothing once the lease is
+revoked or its deadline passed, nor once the store is closed: a late call stores nothing.
 
 Reads: the keys of a ``batch_get`` are grouped per segment and sorted by offset; each run of
 adjacent records is read with vectored reads into the callers' buffers (headers into a scratch
@@ -52,7 +56,8 @@ truncated back to a batch's start there, so a crash in a write cannot touch a re
 before it; the only in-place write is the 4-byte dead magic, which lands or not, and a torn one
 is neither magic: a miss; (3) a compaction copies records verbatim after checking them and
 removes the old segment only once the copies are durable, so a crash between leaves two right
-copies; (4) OK is reported only after the fdatasync.  The index is rebuilt on open by scanning
+copies; (4) OK (and an ``exists`` 1) is reported only after the fdatasync, whichever process wrote
+the record.  The index is rebuilt on open by scanning
 every segment's headers (a torn tail or a damaged record in the middle is stepped over,
 ``segments.scan``); no separate index file can disagree with the segments.  The order of
 objects after a restart is their write order (reads are not recorded on disk).
@@ -133,6 +138,7 @@ class FileStore(KVCacheStorage):
     name = "file"
     access = StorageAccess.HOST_STAGED
     supports_multi_buffer = True
+    honours_commit_lease = True   # store_write.Writer._commit asks the lease at its commit point
 
     def __init__(self, namespace: str, rank: int, options: Mapping[str, Any] | None = None) -> None:
         options = dict(options or {})
@@ -308,7 +314,29 @@ class FileStore(KVCacheStorage):
     def exists(self, keys: Sequence[str]) -> list[int]:
         if not self._usable():
             return [UNAVAILABLE] * len(keys)
-        return self._reader.exists(keys)
+        out = self._reader.exists(keys)
+        if self.fsync and 1 in out:
+            self._durable_hits(keys, out)
+        return out
+
+    def _durable_hits(self, keys: Sequence[str], out: list[int]) -> None:
+        """A 1 of ``exists`` makes the CTM skip writing the block, as good as an OK: a hit on a record
+        another process has not synced yet is synced first (``store_write.Durability``), and one
+        that cannot be becomes 0 (the caller writes it anew, durably)."""
+        durability = self._writer.durability
+        hits = []
+        with self.index.lock:
+            for i, flag in enumerate(out):
+                if flag == 1:
+                    e = self.index.get(key_digest(keys[i]))
+                    if e is not None and durability.needed(e):
+                        hits.append((i, e))
+        if not hits:
+            return
+        durability.ensure(e for _, e in hits)
+        for i, e in hits:
+            if durability.needed(e):
+                out[i] = 0
 
     def batch_get(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         check_batch(keys, ptrs, sizes)
@@ -355,6 +383,7 @@ class FileStore(KVCacheStorage):
         if self._closed:
             return
         self._closed = True
+        self._writer.closed = True      # a batch_set still running (a late call) commits nothing now
         with self.segment_log.append_lock:
             self.space_policy.bury()
             self._forget_all()

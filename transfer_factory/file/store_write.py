@@ -7,9 +7,12 @@ that at 16 KiB objects the Python cost per record stays below the cost of copyin
 """
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import threading
 from itertools import accumulate
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from transfer_factory.file import _records
 from transfer_factory.file.checksums import buffers_checksum, checksums_at, chunked
@@ -17,11 +20,62 @@ from transfer_factory.file.index import Index, key_digest
 from transfer_factory.file.log import SegmentLog
 from transfer_factory.file.segments import HEADER_SIZE, Entry, Segment, record_state
 from transfer_factory.file.space import SpacePolicy
-from transfer_factory.file.store_io import FULL_ERRNOS, Views, buffers_length
+from transfer_factory.file.store_io import FULL_ERRNOS, Views, buffers_length, fsync_dir
 from transfer_factory.keys import KINDS
-from transfer_factory.kvcache_storage import CODE_NAMES, INVALID, NOT_FOUND, NO_SPACE, OK, UNAVAILABLE
+from transfer_factory.log_tags import key_tag
+from transfer_factory.kvcache_storage import (CODE_NAMES, INVALID, NOT_FOUND, NO_SPACE, OK, TIMEOUT, UNAVAILABLE,
+                                              current_commit_lease)
 
 logger = logging.getLogger("transfer_factory.file.store")
+
+
+class Durability:
+    """Which bytes of other processes' segments this instance knows durable (issue 24 item 12).
+
+    A record another process appended is visible (scanned from the page cache) before its writer's
+    fdatasync, and that writer may be paused or die before it: answering OK (``batch_set``) or 1
+    (``exists``) for such a record acknowledged bytes a power cut loses.  So before relying on one,
+    the store fdatasyncs its segment (fdatasync flushes the file's dirty pages whoever wrote them),
+    and the directory the first time (the segment's name may not be durable either).  How far each
+    segment is known durable is remembered, so the hot path pays one sync per segment and growth,
+    not per key.  This instance's own segments are durable by construction (every append syncs)."""
+
+    def __init__(self, log: SegmentLog) -> None:
+        self._log = log
+        self._lock = threading.Lock()
+        self._synced: dict[Segment, int] = {}   # another's segment -> bytes from its start known durable
+
+    def needed(self, e: Entry) -> bool:
+        """Whether relying on ``e`` needs a sync first."""
+        if not self._log.fsync or e.seg.own:
+            return False
+        return self._synced.get(e.seg, -1) < e.offset + e.size
+
+    def ensure(self, entries: Iterable[Entry]) -> None:
+        """Syncs the segments of ``entries`` not yet known durable past them.  A failed sync is logged
+        and leaves them not known durable (``needed`` stays True: the callers do not rely on them)."""
+        segs = {e.seg for e in entries if self.needed(e)}
+        for seg in segs:
+            if not self._log.pin_open(seg):
+                continue       # forgotten meanwhile (reclaimed or cleared): its entries are misses now
+            try:
+                first = seg not in self._synced
+                size = os.fstat(seg.fd).st_size    # what was written before the sync is durable after it
+                os.fdatasync(seg.fd)
+                if first:
+                    fsync_dir(self._log.directory)
+            except OSError as exc:
+                logger.warning("file store %s: cannot make segment %s of another process durable: %s; its "
+                               "records are not counted as stored", self._log.directory, seg.name, exc)
+                continue
+            finally:
+                self._log.unpin(seg)
+            with self._lock:
+                self._synced[seg] = max(self._synced.get(seg, 0), size)
+        if segs:
+            with self._lock:                      # forget segments gone (few: dozens per directory)
+                for seg in [s for s in self._synced if s.closed]:
+                    del self._synced[seg]
 
 
 class Writer:
@@ -33,6 +87,8 @@ class Writer:
         self._space = space
         self._views = views
         self.directory = log.directory
+        self.durability = Durability(log)
+        self.closed = False                       # set by FileStore.close: a call still running commits nothing
 
     # ------------------------------------------------------------------------------------ writes
     def set_batch(self, keys: Sequence[str], ptr_lists: Sequence, size_lists: Sequence, multi: bool) -> list[int]:
@@ -48,6 +104,7 @@ class Writer:
         self._log.maybe_refresh()
         out = [OK] * n
         digests: list[bytes | None] = _records.key_digests(keys)   # None: not a key
+        self._sync_relied_on(digests)
         groups = _records.key_groups(keys, KINDS)   # object groups: stored all or none
         failed: dict[str, int] = {}                   # group -> the code of its first failed member
         plan: dict[bytes, int] = {}                   # digest -> its index in the batch, in write order
@@ -81,7 +138,8 @@ class Writer:
         if plan:
             err = self._commit(plan, keep, reserved, ptr_lists, size_lists, multi)
             if err is not None:
-                code = NO_SPACE if getattr(err, "errno", None) in FULL_ERRNOS else UNAVAILABLE
+                code = (NO_SPACE if getattr(err, "errno", None) in FULL_ERRNOS
+                        else TIMEOUT if isinstance(err, TimeoutError) else UNAVAILABLE)
                 for i in plan.values():
                     out[i] = code
                     if groups[i] is not None:
@@ -94,6 +152,18 @@ class Writer:
             self._log.mark_dead(d, e)
         index.note_blocks(digests, keys, [code == OK for code in out], groups)
         return out
+
+    def _sync_relied_on(self, digests: list) -> None:
+        """Makes durable the records of other processes this batch may count as stored (``Durability``),
+        before planning and outside the index lock: a sync may take a while.  Nothing to do (one
+        set operation) when no key of the batch is indexed, the common write of new blocks."""
+        index = self._index
+        with index.lock:
+            if index.none_of(filter(None, digests)):
+                return
+            entries = [e for e in map(index.get, digests) if e is not None and self.durability.needed(e)]
+        if entries:
+            self.durability.ensure(entries)
 
     def _plan_simple(self, digests: list, ptrs: Sequence, sizes: Sequence, plan: dict) -> tuple[set[bytes], int]:
         """The common batch planned in bulk: every object valid, one buffer each, no key twice,
@@ -121,20 +191,21 @@ class Writer:
         total = HEADER_SIZE + length
         index = self._index
         if total > index.capacity_bytes:
-            logger.warning("file store %s: object %r of %d bytes exceeds the capacity of %d bytes",
-                           self.directory, key, total, index.capacity_bytes)
+            logger.warning("file store %s: object %s of %d bytes exceeds the capacity of %d bytes",
+                           self.directory, key_tag(key), total, index.capacity_bytes)  # never the key
             return NO_SPACE, 0
         if d in plan:                                 # the same key twice in one batch: written once
             return OK, 0
         e = index.get(d)
-        if e is not None and e.length == length and record_state(e, d) is True:
+        if (e is not None and e.length == length and record_state(e, d) is True
+                and not self.durability.needed(e)):  # one that could not be synced is written anew
             index.touch(d)                            # already stored: refreshed, nothing written
             return OK, 0
         if e is not None:
             index.drop(d)                             # another size, or no longer on disk: write anew
         if index.evict(total, keep) < 0:
-            logger.warning("file store %s: no room for %r (%d bytes): the capacity of %d bytes is held by "
-                           "objects of the same batch", self.directory, key, total, index.capacity_bytes)
+            logger.warning("file store %s: no room for object %s (%d bytes): the capacity of %d bytes is held "
+                           "by objects of the same batch", self.directory, key_tag(key), total, index.capacity_bytes)
             return NO_SPACE, 0
         index.force_reserve(total)                    # reserved until the commit enters the record
         plan[d] = i
@@ -204,28 +275,49 @@ class Writer:
                 yield chunk
 
         index, log = self._index, self._log
+        lease = current_commit_lease()
         with log.append_lock:
-            try:
-                gen = chunks()
-                try:
-                    seg, offsets = log.append(gen, total)
-                except OSError as exc:
-                    if exc.errno not in FULL_ERRNOS or not self._space.make_room(reserved, keep, exc.errno):
-                        raise
-                    for _ in gen:                                  # the chunks the failed write did not reach
-                        pass
-                    seg, offsets = log.append(made, total)         # once: then fail cleanly
-            except OSError as exc:
+            # The commit point (DESIGN §3.8): past the task's deadline, or once the store is closed
+            # (an RL clear), a call still running appends nothing, so nothing lands after the answer.
+            refused = (OSError(errno.ESHUTDOWN, "the store is closed") if self.closed
+                       else TimeoutError(errno.ETIMEDOUT, "past the task's deadline")
+                       if lease is not None and not lease.begin() else None)
+            if refused is not None:
                 with index.lock:
                     index.release(reserved)
-                return exc
-            crcs = [c for chunk in made for c in chunk[5]]
-            headers = b"".join(chunk[0] for chunk in made)
+                return refused
+            try:
+                err = self._append_and_enter(chunks(), made, total, reserved, keep, digests, lengths)
+            finally:
+                if lease is not None:
+                    lease.end()
+            if err is None:                               # housekeeping, not this task's objects
+                self._space.reclaim(index.capacity_bytes)
+                self._space.bury()
+        return err
+
+    def _append_and_enter(self, gen, made: list, total: int, reserved: int, keep: set[bytes], digests: list,
+                          lengths: Sequence[int]) -> OSError | None:
+        """``_commit``'s write, one sync and index entries; append_lock held.  The error, if any."""
+        index, log = self._index, self._log
+        try:
+            try:
+                seg, offsets = log.append(gen, total)
+            except OSError as exc:
+                if exc.errno not in FULL_ERRNOS or not self._space.make_room(reserved, keep, exc.errno):
+                    raise
+                for _ in gen:                                  # the chunks the failed write did not reach
+                    pass
+                seg, offsets = log.append(made, total)         # once: then fail cleanly
+        except OSError as exc:
             with index.lock:
                 index.release(reserved)
-                index.add_run(seg, digests, offsets, lengths, crcs, headers)
-            self._space.reclaim(index.capacity_bytes)
-            self._space.bury()
+            return exc
+        crcs = [c for chunk in made for c in chunk[5]]
+        headers = b"".join(chunk[0] for chunk in made)
+        with index.lock:
+            index.release(reserved)
+            index.add_run(seg, digests, offsets, lengths, crcs, headers)
         return None
 
     # ------------------------------------------------------------------------------------ deletes

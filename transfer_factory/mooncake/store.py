@@ -47,6 +47,7 @@ from transfer_factory.kvcache_storage import (BUFFER_TOO_SMALL, CORRUPT, INVALID
 from transfer_factory.mooncake.breaker import CircuitBreaker
 from transfer_factory.mooncake.config import load_mooncake_config
 from transfer_factory.mooncake.connection import MooncakeClient, MooncakeConnection, MooncakeConnectionError
+from transfer_factory.log_tags import redact
 from transfer_factory.mooncake.probe import master_answers
 
 __all__ = ["MooncakeStore", "MooncakeConnectionError"]
@@ -144,7 +145,8 @@ class MooncakeStore(KVCacheStorage):
         try:
             raw = list(call(client.store))
         except Exception as e:
-            log.warning("mooncake %s of %d keys raised %s: %s", op, n, type(e).__name__, e)
+            # redact: Mooncake's message may name a key (a block hash), which logs must not show
+            log.warning("mooncake %s of %d keys raised %s: %s", op, n, type(e).__name__, redact(e))
             self._mark(True, f"{op} raised {type(e).__name__}", client)
             self._reconnect_in_background()
             return [UNAVAILABLE] * n
