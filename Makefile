@@ -20,6 +20,7 @@ swap-demo: build
 
 test: build lint
 	$(PY) -m pytest -q
+	PY=$(PY) bash tests/run_unprivileged.sh  # as root: the `permissions` tests again, as uid 65534
 
 lint: $(DEPS)
 	$(PY) -m pyflakes cache_manager ops transfer_factory engine_hooks tests

@@ -36,13 +36,20 @@ wire_seal = Extension(
     extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )
 
+# Release stores and acquire loads of the layer board's shared words (``cache_manager.layer_progress``).
+shm_atomic = Extension(
+    "cache_manager._shm_atomic",
+    sources=["cache_manager/csrc/shm_atomic.c"],
+    extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+)
+
 setup(
     name="cache-transfer-manager",
     version="0.1.0",
     description="KV-cache transfer subsystem: device <-> host swap space <-> storage",
     packages=["cache_manager", "cache_manager.queue", "cache_manager.storage", "cache_manager.rank", "ops",
               "transfer_factory", "transfer_factory.file", "transfer_factory.mooncake", "engine_hooks"],
-    ext_modules=[block_copy, file_records, wire_check, wire_seal],
+    ext_modules=[block_copy, file_records, wire_check, wire_seal, shm_atomic],
     python_requires=">=3.10",
     install_requires=["numpy", "pyzmq", "msgpack"],
     extras_require={

@@ -17,6 +17,9 @@ this process object.
 Liveness (``engine_watch``): the process exits by itself once the engine *process* is gone
 and only then removes the segments the engine can no longer unlink; a heartbeat that stops is
 logged and nothing more, since a paused engine keeps its caches.  SIGTERM gives a clean exit.
+A rank whose stream from the engine breaks for good (its local link closed, a frame lost) exits at
+once with ``STREAM_BROKEN_EXIT``, its in-flight I/O cut short: alive but mute, it would only let
+every task time out.  The engine declares it down and restarts it (``engine_hooks.rank_recovery``).
 """
 from __future__ import annotations
 
@@ -53,7 +56,8 @@ from cache_manager.engine_watch import EngineGone, EngineWatch
 from cache_manager.rank.scheduler import TaskScheduler
 from cache_manager.rank.lifecycle import KvCacheLifecycle
 from cache_manager.queue.client import EngineCacheQueueClient
-from cache_manager.ipc_signal import signal_segment_name
+from cache_manager.queue.session import STREAM_BROKEN_EXIT
+from cache_manager.ipc_signal import engine_ipc_suffix, signal_segment_name
 from cache_manager.layer_progress import LAYER_PROGRESS_SIGNAL
 from cache_manager.rank.layerwise_copy import RankLayerBoard, copy_layerwise, publishing
 from cache_manager.rank.resources import RankResources
@@ -66,6 +70,13 @@ from cache_manager.rank.swap_plans import SwapPlans
 INLINE_SWAP_MAX_BYTES = 256 << 10
 IDLE_POLL_MS = 250  # an idle rank wakes this often to look at kv_cache_status and the engine
 DRAIN_POLL_MS = 10  # how often a clearing rank looks whether its tasks released their blocks
+# A local link that closed because the engine died is the engine's death, not a break: the engine's
+# sockets close a moment before its process is seen to end, so such a break waits this long to tell.
+ENGINE_EXIT_WAIT_S = 0.5
+
+
+class StreamBroken(Exception):
+    """The rank's stream from the engine broke for good (``EngineCacheQueueClient.broken``)."""
 
 
 class PrivateFileHandler(logging.FileHandler):
@@ -102,7 +113,9 @@ class CacheTransferManager:
         self.log = log
         self.rank = args.rank
         self.spec = spec_from_args(args)
-        self.instance = args.ipc_instance or str(args.engine_worker_queue_port)
+        # The engine's IPC names: port and its random token (CTM_IPC_TOKEN), or the bare port, warned
+        self.ipc_suffix = engine_ipc_suffix(args.engine_worker_queue_port)
+        self.instance = args.ipc_instance or self.ipc_suffix
         # --npu_copy_engine goes to a platform that has copy engines (ops.copy_engines); on one without,
         # its default is a no-op and any other value is passed on, so get_platform refuses it by name.
         engine = args.npu_copy_engine
@@ -110,7 +123,7 @@ class CacheTransferManager:
         self.platform = ops.get_platform(args.platform, instance=self.instance, copy_engine=wanted)
         ops.use_platform(self.platform)
         self.stop_event = threading.Event()
-        self.signals = RankSignals(args.engine_worker_queue_port)
+        self.signals = RankSignals(self.ipc_suffix)
         self.pools: dict[str, ThreadPoolExecutor] = {}
         self.queue: EngineCacheQueueClient | None = None
         self.scheduler: TaskScheduler | None = None
@@ -120,7 +133,7 @@ class CacheTransferManager:
         self._next_engine_check = 0.0
         self.resources = RankResources(args, self.spec, self.platform, self.signals, log, self.stop_event,
                                        self._check_engine)
-        self.layer_board = RankLayerBoard(args.mp_num, args.engine_worker_queue_port, args.rank, log)
+        self.layer_board = RankLayerBoard(args.mp_num, self.ipc_suffix, args.rank, log)
         self._swap_plans = SwapPlans()  # the kinds' swap plans merged, rebuilt when the plans change
 
     # -- start-up -------------------------------------------------------------
@@ -157,6 +170,13 @@ class CacheTransferManager:
     def _check_engine(self) -> None:
         self.engine_watch.check(self.signals.get(WORKER_HEALTHY_LIVE_SIGNAL))
 
+    def _wait_engine_exit(self) -> None:
+        """Raise ``EngineGone`` if the engine ends within ``ENGINE_EXIT_WAIT_S``."""
+        deadline = time.monotonic() + ENGINE_EXIT_WAIT_S
+        while not self.engine_watch.engine_exited() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._check_engine()
+
     # -- serving ----------------------------------------------------------------
     def serve(self) -> None:
         assert self.queue is not None and self.scheduler is not None and self.lifecycle is not None
@@ -168,6 +188,10 @@ class CacheTransferManager:
                 self.lifecycle.step()
             except Exception:  # one bad iteration must not end the serve loop
                 self.log.exception("serve loop iteration failed; serving on")
+            if self.queue.broken is not None:
+                if self.queue.link_closed:
+                    self._wait_engine_exit()  # raises EngineGone if it was the engine that went
+                raise StreamBroken(self.queue.broken)
             now = time.monotonic()
             if now >= self._next_engine_check:  # a busy queue must not pay a liveness check per poll
                 self._next_engine_check = now + 0.2
@@ -260,7 +284,11 @@ class CacheTransferManager:
             return storage.write(task, deadline)
 
     # -- shutdown ---------------------------------------------------------------
-    def close(self, engine_gone: bool) -> None:
+    def close(self, engine_gone: bool, stream_broken: bool = False) -> None:
+        if stream_broken:
+            # The engine fails this rank's tasks and restarts it: nothing here is worth waiting for,
+            # and an I/O still running must stop now, which only the process's exit guarantees.
+            return
         if engine_gone:
             self._remove_orphans()
             # The engine is gone: nobody waits for answers, and a storage client or a task stuck
@@ -285,7 +313,7 @@ class CacheTransferManager:
 
         Attached processes never unlink while the engine lives; once it is gone, every
         rank removes what the engine left (idempotent, and mappings stay valid)."""
-        suffix = self.args.engine_worker_queue_port
+        suffix = self.ipc_suffix
         removed = self.platform.remove_orphans()
         for name in PER_RANK_SIGNALS + (WORKER_HEALTHY_LIVE_SIGNAL, KV_CACHE_STATUS_SIGNAL, LAYER_PROGRESS_SIGNAL):
             SharedMemorySegment.unlink_name(signal_segment_name(name, suffix))
@@ -309,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, lambda *_: ctm.stop_event.set())
 
     install_handlers()
-    engine_gone = False
+    engine_gone = stream_broken = False
     code = 0
     try:
         ctm.start()
@@ -319,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     except EngineGone as exc:
         log.warning("exiting: %s", exc)
         engine_gone = True
+    except StreamBroken as exc:
+        log.error("exiting with status %d: the stream from the engine broke (%s); the engine restarts this rank",
+                  STREAM_BROKEN_EXIT, exc)
+        stream_broken, code = True, STREAM_BROKEN_EXIT
     except StorageConfigError as exc:
         log.error("storage configuration: %s", exc)
         code = 2
@@ -326,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("fatal error")
         code = 1
     finally:
-        ctm.close(engine_gone)
+        ctm.close(engine_gone, stream_broken)
     # Everything this process owns is released above.  Interpreter teardown can still hang for
     # many seconds in a storage client's destructor (Mooncake holds the GIL while it closes,
     # 11-19 s once its master is gone): flush the rank's log and leave now.

@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(LLM-DataDist swap_blocks); given only to platforms with copy engines (see CacheTransferManager)")
     p.add_argument("--ipc_suffix", default=None,
                    help="FastDeploy passes this in some versions; accepted, signals use --engine_worker_queue_port")
-    p.add_argument("--ipc_instance", default=None, help="instance id in CPU segment names (default: engine_worker_queue_port)")
+    p.add_argument("--ipc_instance", default=None, help="instance id in CPU segment names (default: engine_worker_queue_port, with the token "
+                        "the engine gives in CTM_IPC_TOKEN)")
     p.add_argument("--engine_pid", type=_positive, default=None, help="exit when this process is gone (default: the parent)")
     p.add_argument("--attach_timeout", type=float, default=120.0, help="seconds to wait for cache_ready_signal")
     p.add_argument("--log_dir", default=os.environ.get("CTM_LOG_DIR", "log"))

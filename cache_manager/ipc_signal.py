@@ -5,11 +5,21 @@ unlink it (``clear()``).  A process that attaches never unlinks, not when it clo
 exits or crashes: the segments bypass ``multiprocessing.resource_tracker``, which
 would otherwise unlink them when the first attaching process exits.
 
-Names follow DESIGN §3.5: ``ctm.<name>.<suffix>``, suffix = engine_worker_queue_port.
+Names follow DESIGN §3.5: ``ctm.<name>.<suffix>``, suffix = engine_worker_queue_port.  That name is
+predictable, so another local user can create it first and stop the engine from starting (DESIGN §4).
+An engine of ours therefore draws a random token per instance (``new_ipc_token``) and names every
+segment ``ctm.<port>.<token>.<name>`` (the suffix ``ipc_suffix(port, token)``), its cache segments
+included (the platform's instance); it hands the token to its CTMs in ``CTM_IPC_TOKEN`` (the
+environment: command lines are readable by every user).  A CTM started without it (FastDeploy's own
+engine) keeps the port-only names and logs that they are predictable (``engine_ipc_suffix``).
 """
 from __future__ import annotations
 
 import logging
+import os
+import re
+import secrets
+from typing import Mapping
 
 import numpy as np
 
@@ -18,10 +28,47 @@ from ops.shm import SharedMemorySegment
 logger = logging.getLogger(__name__)
 
 SIGNAL_PREFIX = "ctm."
+IPC_TOKEN_ENV = "CTM_IPC_TOKEN"
+IPC_TOKEN_BYTES = 8  # 64 random bits: not guessable in the time a squatter has
+_TOKEN_RE = re.compile(r"^[0-9a-f]{16}$")
+_TOKENED_SUFFIX_RE = re.compile(r"^[0-9]+\.[0-9a-f]{16}$")
+
+
+def new_ipc_token() -> str:
+    """A fresh random token for one engine instance's IPC names (16 hex digits)."""
+    return secrets.token_hex(IPC_TOKEN_BYTES)
+
+
+def check_ipc_token(token: str) -> str:
+    """``token`` if it is what ``new_ipc_token`` makes, else ``ValueError`` (it goes into file names)."""
+    if not isinstance(token, str) or not _TOKEN_RE.match(token):
+        raise ValueError(f"IPC token {token!r:.40} must be {2 * IPC_TOKEN_BYTES} lowercase hex digits")
+    return token
+
+
+def ipc_suffix(port: int, token: str | None) -> str:
+    """The suffix of an engine's IPC names: ``<port>.<token>``, or the bare port without a token."""
+    return str(port) if token is None else f"{int(port)}.{check_ipc_token(token)}"
+
+
+def engine_ipc_suffix(port: int, environ: Mapping[str, str] | None = None) -> str:
+    """A CTM's view of its engine's suffix: with the token from ``CTM_IPC_TOKEN`` (``ValueError`` if it
+    is malformed), or, without one, the bare port (FastDeploy's names), logging that it is predictable."""
+    token = (os.environ if environ is None else environ).get(IPC_TOKEN_ENV) or None
+    if token is None:
+        logger.warning("no %s from the engine: IPC names use the bare port %s and are predictable; another local "
+                       "user can create them first and stop the engine from starting", IPC_TOKEN_ENV, port)
+    return ipc_suffix(port, token)
 
 
 def signal_segment_name(name: str, suffix: object | None) -> str:
-    return f"{SIGNAL_PREFIX}{name}" if suffix is None else f"{SIGNAL_PREFIX}{name}.{suffix}"
+    """``ctm.<port>.<token>.<name>`` for a suffix with a token (under the engine's prefix, beside its
+    cache segments); ``ctm.<name>.<suffix>`` for a bare one, as FastDeploy's engine names them."""
+    if suffix is None:
+        return f"{SIGNAL_PREFIX}{name}"
+    if _TOKENED_SUFFIX_RE.match(str(suffix)):
+        return f"{SIGNAL_PREFIX}{suffix}.{name}"
+    return f"{SIGNAL_PREFIX}{name}.{suffix}"
 
 
 class IPCSignal:

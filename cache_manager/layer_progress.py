@@ -3,7 +3,10 @@
 A layer-wise task (DESIGN §3.8) names a *slot* of the board and a *sequence number* that the engine
 drew for it.  Each word of the board is ``seq << 24 | value``, written with one aligned 8-byte store,
 so a reader never sees half of an update, and a word left by an earlier task in the same slot
-(another seq) reads as "nothing yet".  Per slot there are:
+(another seq) reads as "nothing yet".  Every word is written with a release store and read with an
+acquire load (``cache_manager._shm_atomic``, C11 atomics): what a writer did before publishing (a
+layer's bytes) is visible to a reader that sees the word, on aarch64 (Ascend hosts) as on x86, where
+plain stores and loads would happen to be enough.  Per slot there are:
 
 * ``landed[rank]``: how many leading layers of the task are complete on that rank, or ``FAILED``.
   A rank publishes layer ``l`` only after every byte of layer ``l`` of every block it reports is in
@@ -27,6 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from cache_manager import _shm_atomic
 from cache_manager.ipc_signal import IPCSignal
 
 LAYER_PROGRESS_SIGNAL = "layer_progress"
@@ -87,35 +91,41 @@ class LayerBoard:
                                 suffix=suffix, create=create)
         self.words = self.signal.value
         self._columns = self.words.shape[1]
-        # The same words as Python ints without numpy's per-call cost (a waiter reads them once per
-        # layer); aligned 8-byte reads, as numpy's.
-        self._flat = memoryview(self.words).cast("B").cast("q")
+        # Every access goes through the atomics below, never through ``words`` directly: a plain
+        # numpy store or load has no ordering on aarch64 (see the module docstring).
+        self._store, self._load, self._load_row = (_shm_atomic.store_release, _shm_atomic.load_acquire,
+                                                   _shm_atomic.load_acquire_row)
+
+    def _at(self, slot: int, column: int) -> int:
+        if not (0 <= slot < SLOTS and 0 <= column < self._columns):  # C checks only the whole buffer
+            raise IndexError(f"layer board word ({slot}, {column}) is outside {SLOTS} x {self._columns}")
+        return slot * self._columns + column
 
     def landed(self, slot: int, rank: int) -> int:
-        return int(self.words[slot, rank])
+        return self._load(self.words, self._at(slot, rank))
 
     def landed_row(self, slot: int) -> list[int]:
-        """``landed`` of every rank of ``slot`` at once: a waiter checks all ranks with one read."""
-        start = slot * self._columns
-        return self._flat[start:start + self.tp].tolist()
+        """``landed`` of every rank of ``slot`` at once (one acquire load per rank), in one call."""
+        return self._load_row(self.words, self._at(slot, 0), self.tp)
 
     def blocks(self, slot: int, rank: int) -> int:
-        return int(self.words[slot, self.tp + rank])
+        return self._load(self.words, self._at(slot, self.tp + rank))
 
     def computed(self, slot: int) -> int:
-        return int(self.words[slot, 2 * self.tp])
+        return self._load(self.words, self._at(slot, 2 * self.tp))
 
     def set_landed(self, slot: int, rank: int, word: int) -> None:
-        self.words[slot, rank] = word
+        """Publish: a release store, so everything this thread wrote before (the layer's bytes) is
+        visible to a reader whose acquire load sees ``word``."""
+        self._store(self.words, self._at(slot, rank), word)
 
     def set_blocks(self, slot: int, rank: int, word: int) -> None:
-        self.words[slot, self.tp + rank] = word
+        self._store(self.words, self._at(slot, self.tp + rank), word)
 
     def set_computed(self, slot: int, word: int) -> None:
-        self.words[slot, 2 * self.tp] = word
+        self._store(self.words, self._at(slot, 2 * self.tp), word)
 
     def close(self) -> None:
-        self._flat.release()
         self.signal.clear()  # unlinks only when this process created it
 
 

@@ -35,11 +35,12 @@ logger = logging.getLogger(__name__)
 
 
 class EngineResources:
-    """The device caches of every rank, the IPC signals (suffix ``signal_suffix``, the
-    ``engine_worker_queue_port``) and the current model version."""
+    """The device caches of every rank, the IPC signals (suffix ``signal_suffix``: the
+    ``engine_worker_queue_port`` with the engine's random token, ``ipc_signal.ipc_suffix``, so that
+    no other user can create the names first) and the current model version."""
 
     def __init__(self, platform: Platform, spec: CacheSpec, tp: int, device_ids: Sequence[int],
-                 signal_suffix: int, model_id: str, model_version: str):
+                 signal_suffix: int | str, model_id: str, model_version: str):
         self.platform = platform
         self.spec = spec
         self.tp = tp

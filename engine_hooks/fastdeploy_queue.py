@@ -6,8 +6,10 @@ HMAC frames; never pickle).  The contract is in README.md, "Adopting from FastDe
   they join); ``is_server=False`` is a handle on the server of that port in this process.
   ``local_data_parallel_size > 1`` is refused.  FastDeploy's task tuples are parsed in
   ``fastdeploy_tasks``.
-* Secret: ``sha256(b"ctm-queue-secret\\0" + authkey)``, random (with a warning) for FastDeploy's
-  public default; exported as ``CTM_QUEUE_SECRET`` for the CTMs the engine launches.
+* Secret: HKDF-SHA256 of ``authkey`` under a random salt per queue (``queue_secret``), random (with a
+  warning) for FastDeploy's public default; written to a private file whose path is exported as
+  ``CTM_QUEUE_SECRET_FILE`` for the CTMs the engine launches (``queue_secret.SecretFile``): the secret
+  itself is in no environment.
 * Done signals are FastDeploy's tuples as its CTMs send them (a read's once per rank), queued only
   once the task resolved *and* every rank let go of its blocks (``future.released``).  A failed
   storage task reports 0 blocks; a failed swap is never reported done, only in ``failed_tasks()``.
@@ -15,9 +17,7 @@ HMAC frames; never pickle).  The contract is in README.md, "Adopting from FastDe
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
-import os
 import threading
 import time
 import weakref
@@ -30,25 +30,28 @@ from cache_manager.queue.server import EngineCacheQueueServer
 from ops.procs import pid_alive
 
 from .fastdeploy_tasks import Entry, parse_transfer_task
+from .queue_secret import SECRET_LABEL, SecretFile, derive_secret, new_salt
 from .supervisor import Supervisor
 from .task_tracker import TaskTracker
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_AUTHKEY = b"cache_queue_service"  # FastDeploy's fixed default: public, so never a secret
-SECRET_CONTEXT = b"ctm-queue-secret\0"
+SECRET_CONTEXT = SECRET_LABEL  # the HKDF label (``queue_secret``)
 MAX_FAILED_KEPT = 10_000
 _servers: "weakref.WeakValueDictionary[int, _Core]" = weakref.WeakValueDictionary()  # port -> server here
 
 
-def queue_secret(authkey: bytes | str) -> tuple[bytes, bool]:
-    """(the 32-byte queue secret, whether it derives from ``authkey``); a random one for the default key."""
+def queue_secret(authkey: bytes | str, salt: bytes | None = None) -> tuple[bytes, bool]:
+    """(the 32-byte queue secret, whether it derives from ``authkey``): HKDF-SHA256 of ``authkey``
+    under ``salt`` (a fresh random one if None, so every queue has its own secret); a random secret
+    for the public default key."""
     key = authkey.encode() if isinstance(authkey, str) else authkey
     if not isinstance(key, (bytes, bytearray)):
         raise ValueError(f"authkey must be bytes, got {type(authkey).__name__}")
     if not key or bytes(key) == DEFAULT_AUTHKEY:
         return wire.new_secret(), False
-    return hashlib.sha256(SECRET_CONTEXT + bytes(key)).digest(), True
+    return derive_secret(bytes(key), new_salt() if salt is None else salt), True
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class _Core:
     def __init__(self, host: str, port: int, num_client: int, secret: bytes, task_timeout: float,
                  storage_grace: float, ready_timeout: float):
         self.tp, self.secret = num_client, secret
+        self.secret_file: SecretFile | None = None  # the owner's, for the CTMs (set once the server is up)
         self.task_timeout, self.storage_grace, self.ready_timeout = task_timeout, storage_grace, ready_timeout
         self.lock = threading.Lock()
         self.inflight: dict[str, Entry] = {}  # wire id -> entry, until resolved and released
@@ -260,9 +264,16 @@ class EngineCacheQueue:
         secret, derived = queue_secret(authkey)
         if not derived:
             logger.warning("EngineCacheQueue: authkey is FastDeploy's public default (or empty); using a random "
-                           "queue secret, passed to the CTMs in %s", wire.SECRET_ENV)
-        self._core = _Core(address[0], address[1], num_client, secret, task_timeout, storage_grace, ready_timeout)
-        os.environ[wire.SECRET_ENV] = secret.hex()  # the CTMs this engine launches inherit it
+                           "queue secret, passed to the CTMs in the file named by %s", wire.SECRET_FILE_ENV)
+        secret_file = SecretFile(secret)
+        try:
+            self._core = _Core(address[0], address[1], num_client, secret, task_timeout, storage_grace,
+                               ready_timeout)
+        except BaseException:
+            secret_file.close()
+            raise
+        self._core.secret_file = secret_file
+        secret_file.export()  # the CTMs this engine launches inherit the file's path, not the secret
         _servers[self._core.server.port] = self._core
         self.address = (address[0], self._core.server.port)
         logger.info("EngineCacheQueue server for %d ranks on %s", num_client, self._core.server.address)
@@ -306,8 +317,9 @@ class EngineCacheQueue:
         return self._core.failed_tasks()
 
     def secret_env(self) -> dict[str, str]:
-        """The environment a CTM needs to authenticate to this queue."""
-        return {wire.SECRET_ENV: self._core.secret.hex()}
+        """The environment a CTM needs to authenticate to this queue: the path of the private secret
+        file (it lives until the server's ``close()``)."""
+        return self._core.secret_file.env()
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until every rank has joined the queue."""
@@ -324,6 +336,7 @@ class EngineCacheQueue:
             if _servers.get(self._core.server.port) is self._core:
                 del _servers[self._core.server.port]
             self._core.close()
+            self._core.secret_file.close()
 
     def __enter__(self) -> "EngineCacheQueue":
         return self

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -146,10 +147,16 @@ class RankProcesses:
         self._log_dir = log_dir
         self._env = env
         self._procs: dict[int, RankProcess] = {}
+        # stop_all closes: no start (an automatic restart racing the shutdown) leaves a process behind
+        self._lock = threading.Lock()
+        self._closed = False
 
     def start(self, rank: int) -> RankProcess:
-        self._procs[rank] = launch(rank, self._flags(rank), self._log_dir, self._env())
-        return self._procs[rank]
+        with self._lock:
+            if self._closed:
+                raise StartupError(f"rank {rank} not started: the service is shutting down")
+            self._procs[rank] = launch(rank, self._flags(rank), self._log_dir, self._env())
+            return self._procs[rank]
 
     def stop(self, rank: int, grace: float) -> bool:
         """Stop ``rank``'s process; False if it outlived SIGKILL (logged; never raises)."""
@@ -157,15 +164,22 @@ class RankProcesses:
         return proc is None or proc.stop(grace)
 
     def stop_all(self, grace: float) -> list[int]:
-        """Stop every rank's process together (bounded, never raises); the ranks that would not die."""
+        """Stop every rank's process together (bounded, never raises); the ranks that would not die.
+        No process starts after this."""
+        with self._lock:
+            self._closed = True
         return stop_together(list(self._procs.values()), grace)
 
-    def wait_ready(self, ranks: list[int], ready: Callable[[int], bool], timeout: float) -> None:
+    def wait_ready(self, ranks: list[int], ready: Callable[[int], bool], timeout: float,
+                   cancel: threading.Event | None = None) -> None:
         """Wait until ``ready(rank)`` for every rank of ``ranks``; ``StartupError`` names a rank that
-        died meanwhile, or those still not ready after ``timeout`` seconds, with their logs' tails."""
+        died meanwhile, or those still not ready after ``timeout`` seconds, with their logs' tails,
+        or says the wait was cancelled (``cancel`` set: the service is shutting down)."""
         deadline = time.monotonic() + timeout
         waiting = set(ranks)
         while waiting:
+            if cancel is not None and cancel.is_set():
+                raise StartupError(f"ranks {sorted(waiting)} not waited for: cancelled")
             for rank in sorted(waiting):
                 proc = self._procs[rank]
                 if ready(rank):

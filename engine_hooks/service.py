@@ -15,7 +15,8 @@ of them (a rank that fails is named, with the tail of its log).  Every task retu
 * with the task's result (DESIGN §3.3) when all ranks succeeded;
 * with ``TaskFailedError`` naming each failing rank and its reason;
 * with ``TaskTimeoutError`` naming the ranks that did not answer in time;
-* with ``RankDiedError`` at once when a rank's process dies (``restart_rank`` brings it back).
+* with ``RankDiedError`` at once when a rank goes down: its process dies, or its stream to the
+  engine breaks (then its process is killed); the service restarts it (``rank_recovery``).
 
 A resolved future also carries ``rank_results``: each rank's ``RankResult`` (its receive
 order, its time, the bytes it moved).
@@ -38,14 +39,13 @@ import json
 import logging
 import os
 import threading
-import time
 from concurrent.futures import Future
 from typing import Any, Mapping, Sequence
 
 import ops
 from cache_manager.queue import wire
 from cache_manager.cache_data import CacheStatus, KVCacheStatus
-from cache_manager.ipc_signal import IPCSignal
+from cache_manager.ipc_signal import IPC_TOKEN_ENV, IPCSignal, ipc_suffix, new_ipc_token
 from cache_manager.queue.server import EngineCacheQueueServer
 from transfer_factory.keys import Namespace
 
@@ -56,6 +56,7 @@ from .errors import CachesClearedError, ServiceClosed
 from .launcher import RankProcess, RankProcesses, default_log_dir, free_port
 from .layerwise import LayerwiseTasks
 from .metrics import CacheMetrics
+from .rank_recovery import RankHooks, RankRecovery, RestartPolicy
 from .supervisor import Supervisor
 from .task_tracker import TaskFuture, TaskTracker
 from .wire_tasks import storage_task, swap_task
@@ -90,6 +91,8 @@ class CacheTransferService:
         extra_env: dict[str, str] | None = None,
         metrics_port: int | None = None,
         record_latencies: bool = False,
+        auto_restart: bool = True,  # a rank that goes down is restarted (else: down until restart_rank)
+        restart_policy: RestartPolicy | None = None,  # how often and how soon (rank_recovery)
     ):
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tp {tp!r} must be a positive integer")
@@ -124,15 +127,20 @@ class CacheTransferService:
         self.extra_flags = dict(extra_flags or {})
         self.extra_env = dict(extra_env or {})
         self.log_dir = os.path.abspath(log_dir) if log_dir else default_log_dir()
-        self.instance = str(self.port)
+        # A random token in every IPC name, so no other user can predict (and squat) them; the CTMs
+        # get it in their environment (IPC_TOKEN_ENV), never on the command line.
+        self.ipc_token = new_ipc_token()
+        self.instance = ipc_suffix(self.port, self.ipc_token)
 
         self.platform = ops.get_platform(platform, instance=self.instance)
         # the device caches, the IPC signals and the model version, shared with the CTMs
-        self.resources = EngineResources(self.platform, spec, tp, self.device_ids, self.port, model_id, model_version)
+        self.resources = EngineResources(self.platform, spec, tp, self.device_ids, self.instance, model_id,
+                                        model_version)
         self.layerwise: LayerwiseTasks | None = None  # the progress board of layer-wise tasks
         self.server: EngineCacheQueueServer | None = None
         self._secret = wire.new_secret()
         self._ranks = RankProcesses(self.ctm_flags, self.log_dir, lambda: {wire.SECRET_ENV: self._secret.hex(),
+                                                                           IPC_TOKEN_ENV: self.ipc_token,
                                                                            **self.extra_env})
         # every task in flight, its future and its release
         self.tracker = TaskTracker(tp, record_latencies, on_sooner_deadline=lambda: self._supervisor.ring())
@@ -142,7 +150,11 @@ class CacheTransferService:
             raise ValueError(f"metrics_port {metrics_port!r} must be a port number (0 picks a free one)")
         self.metrics_port = metrics_port
         self._shutdown_lock = threading.Lock()
-        self._supervisor = Supervisor(self._ranks.current, self.tracker, self._on_beat, self._rank_died)
+        hooks = RankHooks(self._ranks, self.tracker, lambda r: self.server and self.server.forget_rank(r),
+                          lambda: self.server.registered_ranks(), self.resources.reset_rank, self._rank_ready,
+                          lambda: self._supervisor.ring(), ready_timeout, stop_grace, num_cpu_blocks)
+        self.recovery = RankRecovery(hooks, restart_policy, auto_restart)  # a rank down: killed, released, restarted
+        self._supervisor = Supervisor(self._ranks.current, self.tracker, self._on_beat, self.recovery.process_died)
         self._closed = False
         self._started = False
 
@@ -160,16 +172,18 @@ class CacheTransferService:
         self._started = True
         atexit.register(self.shutdown)
         try:
-            self.layerwise = LayerwiseTasks(self.tp, suffix=self.port)
+            self.layerwise = LayerwiseTasks(self.tp, suffix=self.instance)
             self.resources.create()
             self.server = EngineCacheQueueServer(self.tp, self._secret, host=self.pod_ip, port=self.cache_queue_port,
-                                                 on_result=self.tracker.on_result)
+                                                 on_result=self.tracker.on_result,
+                                                 on_rank_broken=self.recovery.stream_broke)
             self.cache_queue_port = self.server.port
             self.resources.beat()
             for rank in range(self.tp):
                 self._ranks.start(rank)
             self._ranks.wait_ready(list(range(self.tp)), self._rank_ready, self.ready_timeout)
             self._supervisor.start()
+            self.recovery.start()
             if self.metrics_port is not None:
                 self.metrics_port = self.metrics.serve(self.metrics_port, host=self.pod_ip)
         except BaseException:
@@ -214,15 +228,10 @@ class CacheTransferService:
         own ``timeout`` to the ranks, which answer with 0 blocks when it passes, and the grace
         lets that answer arrive."""
         timeout = self.task_timeout if timeout is None else float(timeout)
-        if self._closed or self.server is None:
+        refusal = self._refusal(task)
+        if refusal is not None:
             future = TaskFuture(released=True)
-            future.set_exception(ServiceClosed("the CTM service is not running"))
-            return future
-        status = self.resources.kv_cache_status()
-        if status != KVCacheStatus.NORMAL:
-            future = TaskFuture(released=True)
-            future.set_exception(CachesClearedError(f"the KV caches are cleared for a weight update (kv_cache_status "
-                                                    f"{status.name}): restore_caches() first"))
+            future.set_exception(refusal)
             return future
         task, future, send = self.tracker.begin(task, timeout, grace)
         if send:
@@ -230,6 +239,16 @@ class CacheTransferService:
             if unreachable:
                 self.tracker.unreachable(task["task_id"], unreachable)
         return future
+
+    def _refusal(self, task: dict) -> Exception | None:
+        """Why ``task`` fails at once, before it is sent, or None."""
+        if self._closed or self.server is None:
+            return ServiceClosed("the CTM service is not running")
+        status = self.resources.kv_cache_status()
+        if status != KVCacheStatus.NORMAL:
+            return CachesClearedError(f"the KV caches are cleared for a weight update (kv_cache_status "
+                                      f"{status.name}): restore_caches() first")
+        return self.recovery.host_slots.refusal(task)  # a swap-in from slots a restart emptied
 
     def swap_to_cpu(self, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any = None,
                     timeout: float | None = None, layerwise: bool = False) -> Future:
@@ -308,32 +327,12 @@ class CacheTransferService:
         """The supervisor's wake-ups (it sleeps until it has something to do)."""
         return self._supervisor.loops
 
-    def _rank_died(self, rank: int, proc: RankProcess) -> None:
-        detail = f"(pid {proc.pid}) died ({proc.exit_detail()})"
-        logger.error("CTM rank %d %s; failing every pending task", rank, detail)
-        if self.server is not None:
-            self.server.forget_rank(rank)
-        self.tracker.rank_died(rank, detail)
-
     def restart_rank(self, rank: int) -> None:
-        """Replace rank ``rank``'s CTM (dead or alive) with a fresh one; its host swap space starts empty."""
+        """Replace rank ``rank``'s CTM (dead or alive) with a fresh one; its host swap space starts empty.
+        Its pending tasks fail; the automatic restarts' count for it starts afresh."""
         if not 0 <= rank < self.tp:
             raise ValueError(f"rank {rank} is not in 0..{self.tp - 1}")
-        self._ranks.stop(rank, self.stop_grace)
-        if self.server is not None:
-            self.server.forget_rank(rank)
-        self.resources.reset_rank(rank)
-        self.tracker.mark_down(rank, "is restarting")
-        # wait until the old connection is forgotten before the new one says hello
-        deadline = time.monotonic() + 5.0
-        while rank in self.server.registered_ranks() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.tracker.release_rank(rank)  # the old process is gone: it touches nothing any more
-        new = self._ranks.start(rank)
-        self._ranks.wait_ready([rank], self._rank_ready, self.ready_timeout)
-        self.tracker.mark_up(rank)
-        self._supervisor.ring()  # watch the new process at once
-        logger.info("rank %d restarted as pid %d", rank, new.pid)
+        self.recovery.restart(rank)
 
     # ------------------------------------------------------------------ RL weight updates
     def clear_caches(self, timeout: float = 60.0) -> None:
@@ -356,7 +355,9 @@ class CacheTransferService:
         # Every step runs even when one fails: a rank stuck in the kernel, say, must not keep the
         # other ranks running or the engine's segments and signals in /dev/shm.
         for step in (self.tracker.close,  # pending tasks fail; every block is released
-                     self.metrics.close, lambda: self._supervisor.stop(5.0),
+                     self.metrics.close,
+                     lambda: self.recovery.stop(self.stop_grace + 6.0),  # no restart from here on
+                     lambda: self._supervisor.stop(5.0),
                      lambda: self._ranks.stop_all(self.stop_grace),  # bounded; logs a rank that will not die
                      self.server.close if self.server is not None else None, self.resources.close,
                      self.layerwise.close if self.layerwise is not None else None, self._remove_orphans):

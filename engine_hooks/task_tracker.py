@@ -170,7 +170,9 @@ class TaskTracker:
             pending = self._pending.get(task_id)
             if pending is not None:
                 pending.unreleased.difference_update(ranks)
-        self.fail(task_id, RankDiedError(task_id, ranks[0], "is not connected to the queue"), "rank_died")
+        # broadcast's answer names why (``Unreachable.reasons``): not connected, or not reading its tasks
+        detail = getattr(ranks, "reasons", {}).get(ranks[0], "is not connected to the queue")
+        self.fail(task_id, RankDiedError(task_id, ranks[0], detail), "rank_died")
 
     # ------------------------------------------------------------------ results
     def on_result(self, result: RankResult) -> None:
@@ -247,15 +249,17 @@ class TaskTracker:
             self._notify(p.task, "timed_out", time.perf_counter() - p.submitted, p.results)
 
     # ------------------------------------------------------------------ ranks
-    def rank_died(self, rank: int, detail: str) -> None:
-        """Fail every pending task; the dead rank holds nothing any more."""
+    def rank_died(self, rank: int, detail: str, release: bool = True) -> None:
+        """Fail every pending task; the dead rank holds nothing any more (``release``), unless its
+        process outlived SIGKILL (stuck in the kernel: its I/O may still land)."""
         with self.lock:
             self._dead[rank] = detail
             failed = list(self._pending.items())
             self._pending.clear()
             self._busy_locked()
             for task_id, pending in failed:
-                pending.unreleased.discard(rank)
+                if release:
+                    pending.unreleased.discard(rank)
                 if pending.unreleased:  # the live ranks may still be working on it
                     self._unreleased[task_id] = pending
         for task_id, pending in failed:
@@ -263,7 +267,8 @@ class TaskTracker:
             if not pending.unreleased:
                 pending.future.let_go()
             self._notify(pending.task, "rank_died", time.perf_counter() - pending.submitted, pending.results)
-        self.release_rank(rank)
+        if release:
+            self.release_rank(rank)
 
     def mark_down(self, rank: int, detail: str) -> None:
         with self.lock:

@@ -7,6 +7,7 @@ creator's explicit ``unlink()`` removes a name.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -41,7 +42,10 @@ class SharedMemorySegment:
         if create:
             if size <= 0:
                 raise ValueError(f"shared-memory segment {name!r}: size {size} must be positive")
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            except FileExistsError:
+                raise FileExistsError(errno.EEXIST, _exists_message(name, self.path), self.path) from None
             try:
                 os.ftruncate(fd, size)
             except BaseException:
@@ -102,6 +106,16 @@ class SharedMemorySegment:
         return f"SharedMemorySegment({self.name!r}, size={self.size}, created={self.created})"
 
 
+def _exists_message(name: str, path: str) -> str:
+    """Why a create failed, naming the owner: a squatter's name must be told from our own leftover."""
+    try:
+        owner = f"uid {os.lstat(path).st_uid}"
+    except OSError:
+        owner = "an unknown uid (gone again)"
+    return (f"shared-memory segment {name!r} already exists, owned by {owner} (this process runs as uid "
+            f"{os.geteuid()}): left by another engine, or created by another user; refusing to use it")
+
+
 def list_segments(prefix: str) -> list[str]:
     """Names in /dev/shm that start with ``prefix`` (for leak checks and clean-up)."""
     try:
@@ -113,9 +127,9 @@ def list_segments(prefix: str) -> list[str]:
 def owned_by_us(path: str) -> bool:
     """True if ``path`` is a regular file (not a symlink) owned by this process's effective uid.
 
-    Names are predictable, so another user may have created one under our prefix (to stop
-    the engine from starting, say); removing it would destroy that user's data, which root can
-    do.  The check holds until the unlink: /dev/shm is sticky, so only a name's owner (or root)
+    Names without an engine token (``cache_manager.ipc_signal``) are predictable, so another user
+    may have created one under our prefix (to stop the engine from starting, say); removing it
+    would destroy that user's data, which root can do.  The check holds until the unlink: /dev/shm is sticky, so only a name's owner (or root)
     can remove or replace it, and the name stays ours in between."""
     try:
         info = os.lstat(path)

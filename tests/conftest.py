@@ -54,3 +54,35 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     finally:
         if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)   # still busy: detach it anyway
+
+
+# Tests of uid, ownership and file-mode behaviour, marked ``permissions``: ``make test`` runs them a
+# second time as uid 65534 (tests/run_unprivileged.sh), where root's bypass of permission checks
+# cannot hide a bug.  Matched on "file.py" or a prefix of "file.py::test_name".
+PERMISSION_TESTS = (
+    "test_file_store_trust.py", "test_queue_secret_file.py", "test_facade_secret.py",
+    "test_file_store_directories.py", "test_ipc_names.py", "test_permissions_unprivileged.py",
+    "test_ipc.py::test_attach_refuses_a_segment_owned_by_another_user",
+    "test_shutdown_faults.py::test_orphan_cleanup", "test_shutdown_faults.py::test_refused_start",
+    "test_shutdown_faults.py::test_logs_are_private", "test_shutdown_faults.py::test_rank_logger",
+    "test_local_link.py::test_a_process_of_another_user", "test_local_link.py::test_the_socket_has_no_file",
+    "test_queue_flood.py::test_a_connect_flood_from_another_user",
+)
+# Permission tests that need root without saying so: as another user they skip, saying why.
+ROOT_ONLY = {"test_ipc.py::test_attach_refuses_a_segment_owned_by_another_user":
+             "chowns a segment to uid 65534, which only root can"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "permissions: uid, ownership and file-mode behaviour (also run as uid 65534)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.nodeid.rsplit("/", 1)[-1]
+        if name.startswith(PERMISSION_TESTS):
+            item.add_marker(pytest.mark.permissions)
+        why = next((why for test, why in ROOT_ONLY.items() if name.startswith(test)), None)
+        if why and os.geteuid() != 0:
+            item.add_marker(pytest.mark.skip(reason=why))

@@ -70,7 +70,7 @@ def fd(tmp_path_factory):
     engine = FastDeployEngine(tp=2, authkey=AUTHKEY, storage_root=str(tmp_path_factory.mktemp("kv")),
                               storage_grace=0.5)
     try:
-        engine.start()  # the CTMs inherit CTM_QUEUE_SECRET, as FastDeploy's subprocesses do
+        engine.start()  # the CTMs inherit CTM_QUEUE_SECRET_FILE, as FastDeploy's subprocesses do
         yield engine
     finally:
         leftovers = engine.close()
@@ -83,8 +83,10 @@ def fd(tmp_path_factory):
 
 
 def test_the_secret_derives_from_the_authkey(fd):
-    derived = hashlib.sha256(b"ctm-queue-secret\0" + AUTHKEY).hexdigest()
-    assert fd.queue.secret_env() == {wire.SECRET_ENV: derived} and os.environ[wire.SECRET_ENV] == derived
+    # salted per queue (tests/test_facade_secret.py); the CTMs read it from the file the environment names
+    path = os.environ[wire.SECRET_FILE_ENV]
+    assert fd.queue.secret_env() == {wire.SECRET_FILE_ENV: path} and wire.SECRET_ENV not in os.environ
+    assert open(path).read() == fd.queue._core.secret.hex()
     assert fd.queue.server.registered_ranks() == {0, 1}  # the CTMs launched with it joined
 
 
@@ -258,7 +260,7 @@ def test_the_default_authkey_warns_works_and_a_dead_rank_fails_its_swaps(caplog,
         engine = FastDeployEngine(tp=1)  # FastDeploy's authkey=b"cache_queue_service"
     try:
         assert any("public default" in r.getMessage() for r in caplog.records)
-        assert len(bytes.fromhex(os.environ[wire.SECRET_ENV])) == 32
+        assert len(bytes.fromhex(open(os.environ[wire.SECRET_FILE_ENV]).read())) == 32
         engine.launch(0)  # the first task, sent before the CTM joined, waits for it (bounded)
         assert not engine.queue.wait_ready(0)
         engine.queue.put_transfer_task((CacheStatus.SWAP2CPU, 7, [0], [1], [2]))  # an int id comes back as is

@@ -8,6 +8,8 @@ import time
 import zmq
 
 from cache_manager.queue import wire
+from cache_manager.queue.local_link import MAX_BACKLOG_FRAMES
+from cache_manager.queue.zmq_sockets import MAX_HELLO_FRAME_BYTES, MAX_RESULT_FRAME_BYTES
 from cache_manager.queue.session import TASKS
 from tests import queue_helpers
 from tests.queue_helpers import Rank, registered, result, wait_for
@@ -84,7 +86,11 @@ def test_every_peer_facing_socket_bounds_what_it_receives(server):
         sockets = [server._router, server._tasks, rank.client._sock, rank.client._task_sock, *rank.client._channels]
         for sock in sockets:
             assert sock.getsockopt(zmq.RCVHWM) > 0
-            assert sock.getsockopt(zmq.MAXMSGSIZE) == wire.MAX_FRAME_BYTES
-        assert server._tasks.getsockopt(zmq.SNDHWM) == 0  # ordered tasks are never dropped at a mark
+            assert 0 < sock.getsockopt(zmq.MAXMSGSIZE) <= wire.MAX_FRAME_BYTES
+        # The engine takes what ranks send (results, hellos), not a task's 16 MiB (test_queue_flood.py).
+        assert server._router.getsockopt(zmq.MAXMSGSIZE) == MAX_RESULT_FRAME_BYTES
+        assert server._tasks.getsockopt(zmq.MAXMSGSIZE) == MAX_HELLO_FRAME_BYTES
+        # A rank that stops reading fails its tasks once its pipe is full (EAGAIN), never grows the engine.
+        assert server._tasks.getsockopt(zmq.SNDHWM) == MAX_BACKLOG_FRAMES
     finally:
         rank.close()

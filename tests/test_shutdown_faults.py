@@ -135,17 +135,20 @@ def test_orphan_cleanup_removes_only_our_regular_files(cpu, tmp_path):
 
 
 @needs_root
-def test_refused_start_leaves_the_squatters_names(tmp_path):
+def test_refused_start_leaves_the_squatters_names(tmp_path, monkeypatch):
     from cache_manager.cache_data import KV_CACHE_STATUS_SIGNAL
-    from cache_manager.ipc_signal import signal_segment_name
+    from cache_manager.ipc_signal import ipc_suffix, signal_segment_name
 
-    port = launcher.free_port()
+    port, token = launcher.free_port(), "0123456789abcdef"
+    # a squatter who knows the engine's token (it is random: see tests/test_ipc_names.py for one who does not)
+    monkeypatch.setattr("engine_hooks.service.new_ipc_token", lambda: token)
     # the engine's last signal (so its earlier ones are created, then must go) and names under
     # the platform's prefix (what the orphan cleanup deletes by prefix)
-    names = [signal_segment_name(KV_CACHE_STATUS_SIGNAL, port)] + [f"ctm.{port}.cache{i}" for i in range(3)]
+    names = [signal_segment_name(KV_CACHE_STATUS_SIGNAL, ipc_suffix(port, token))] + \
+        [f"ctm.{port}.{token}.cache{i}" for i in range(3)]
     paths = [squat(name) for name in names]
     try:
-        with pytest.raises(FileExistsError):
+        with pytest.raises(FileExistsError, match=f"owned by uid {NOBODY}"):
             start_service(engine_worker_queue_port=port, log_dir=str(tmp_path))
         assert segments_of(port) == sorted(names), "ours must go, the squatter's must stay"
         for path in paths:

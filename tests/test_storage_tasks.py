@@ -94,7 +94,8 @@ def test_partial_and_damaged_objects_cut_the_read_at_the_minimum_over_ranks(svc)
         f.seek(where.offset + where.length - 1)
         f.write(bytes([last[0] ^ 1]))
     got = svc.read_storage(keys, [8, 9, 10, 11]).result(timeout=30)
-    assert got in ([8, 9], [8, 9, 10]), got
+    # DESIGN 3.7: a block whose payload fails its check is a miss, so the read stops before block 2
+    assert got == [8, 9], got
     want = {k: view[[0, 1]].copy() for k, view in v.items()}
     for k, view in v.items():
         assert np.array_equal(view[[8, 9]], want[k])

@@ -21,7 +21,7 @@ from cache_manager.queue import local_link
 from cache_manager.queue import wire
 from cache_manager.cache_tasks import RankResult, result_body
 from cache_manager.queue.checks import MAX_BARRIER_TIMEOUT, MAX_NAME_CHARS, DropLog, LoopErrors, is_int
-from cache_manager.queue.session import CONTROL, DOWN, FIRST_RESULTS, MAX_RESULT_CHANNELS, TASKS, UP, stream
+from cache_manager.queue.session import CONTROL, DOWN, FIRST_RESULTS, MAX_RESULT_CHANNELS, TASKS, UP, GapWatch, stream
 from cache_manager.queue.zmq_sockets import NONCE_BYTES, POLL_MS, RECV_BATCH, EdgePoller, Waker, readable, routing_id, socket_options
 
 logger = logging.getLogger("cache_manager.queue.server")
@@ -70,6 +70,9 @@ class EngineCacheQueueClient:
         self._poller.add_socket(self._waker.pull)
         self._session = wire.NO_SESSION
         self._expect = {CONTROL: 1, TASKS: 0}  # next counter per stream down (the welcome was 0)
+        self._gaps = {CONTROL: GapWatch(), TASKS: GapWatch()}  # a frame ahead of its turn: reordered, or lost
+        self._broken: str | None = None  # why the stream from the engine broke for good
+        self.link_closed = False  # the break is a closed connection, as the engine's own end would cause
         self.shared_clock = False  # whether the engine reads our CLOCK_MONOTONIC (settled by the welcome)
         self._sent_control = 0
         self._control_lock = threading.Lock()
@@ -184,7 +187,24 @@ class EngineCacheQueueClient:
                     out.append(task)
         if self._local is not None:
             self._serve_local_link(fds, out)
+        now = time.monotonic()
+        for channel, gap in self._gaps.items():
+            if gap.overdue(now):
+                self._break(f"a frame from the engine was lost on stream {stream(channel, DOWN)} "
+                            f"(counter {self._expect[channel]} never came)")
         return out
+
+    @property
+    def broken(self) -> str | None:
+        """Why the stream to the engine broke for good (its local link closed, a frame of it was lost),
+        or None.  No task reaches a broken rank again: its owner should exit (``STREAM_BROKEN_EXIT``),
+        so the engine sees it down at once instead of a rank alive but mute."""
+        return self._broken
+
+    def _break(self, why: str) -> None:
+        if self._broken is None:
+            self._broken = why
+            logger.error("rank %d: the stream from the engine broke: %s", self.rank, why)
 
     def _serve_local_link(self, fds: dict[int, int], out: list[dict]) -> None:
         link = self._local
@@ -193,10 +213,11 @@ class EngineCacheQueueClient:
         try:
             frames = link.serve(fds.get(link.fileno(), 0), self._local_lock, RECV_BATCH)
         except local_link.LinkClosed as exc:
-            logger.error("rank %d: the engine's local link closed (%s): no more tasks reach this rank", self.rank, exc)
             self._poller.unregister(link.fileno())
             with self._local_lock:
                 link.close()
+            self.link_closed = True
+            self._break(f"the engine's local link closed ({exc}): no more tasks reach this rank")
             return
         for frame in frames:
             task = self._guarded(self._on_task, frame)
@@ -234,7 +255,12 @@ class EngineCacheQueueClient:
         if env.session != self._session or env.stream != stream(channel, DOWN) or env.counter != expect:
             self._drop("replayed, reordered or foreign frame",
                        f"stream {env.stream} counter {env.counter}, expected {stream(channel, DOWN)}/{expect}", "server")
+            if env.session == self._session and env.stream == stream(channel, DOWN) and env.counter > expect \
+                    and self._gaps[channel].ahead(time.monotonic()):
+                self._break(f"frames from the engine lost on stream {env.stream}: counter {env.counter}, "
+                            f"expected {expect}")
             return None
+        self._gaps[channel].filled()
         self._expect[channel] = expect + 1
         return self._drop.parsed(env, "server")
 
@@ -274,7 +300,8 @@ class EngineCacheQueueClient:
                 sent = link.send(wire.encode(body, self._secret, self._session, stream(TASKS, UP), self._local_sent))
                 self._local_sent += 1
             if not sent:
-                logger.error("rank %d: result of task %s lost: the local link is closed", self.rank, result.task_id)
+                self.link_closed = True
+                self._break(f"the result of task {result.task_id} was lost: the local link is closed")
             return
         channel = getattr(self._thread_local, "channel", None)
         if channel is None:

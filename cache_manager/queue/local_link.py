@@ -15,8 +15,8 @@ only if the kernel's peer credentials name that rank's pid.
 The socket's name is in Linux's abstract namespace (a random name, no file): it goes away with
 the engine's process however that ends, SIGKILL included, so nothing is left in /tmp.
 
-Framing: a 4-byte big-endian length, then the frame.  A length over ``wire.MAX_FRAME_BYTES``
-cannot be resynchronised from, so it closes the connection (``LinkClosed``).
+Framing: a 4-byte big-endian length, then the frame.  A length over the stream's ``max_frame``
+(at most ``wire.MAX_FRAME_BYTES``) cannot be resynchronised from, so it closes the connection (``LinkClosed``).
 
 Threads: ``send``, ``flush`` and ``drain`` of one ``FrameStream`` must be serialised by its
 owner (one lock per stream); ``recv_frames`` and ``serve`` belong to the one thread that polls
@@ -41,6 +41,12 @@ LENGTH = struct.Struct(">I")
 RECV_BYTES = 64 * 1024  # under malloc's mmap threshold: no mmap and page faults per read
 SOCKET_BUFFER_BYTES = 1024 * 1024
 MAX_UNBOUND_CONNECTIONS = 64  # accepted, hello not yet seen
+# What the engine holds for one rank that does not read its tasks (SIGSTOP, a hung process): past
+# either bound ``send`` refuses the frame and the task fails for that rank at once, instead of the
+# engine's memory growing with every task (10,000 tasks once grew it by 353 MiB).  4,096 tasks is
+# far more than a reading rank ever leaves queued; 64 MiB holds 900 tasks of 1,000 storage keys.
+MAX_BACKLOG_FRAMES = 4096
+MAX_BACKLOG_BYTES = 64 * 1024 * 1024
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 # A peer that is gone is an error to handle, never a signal: an engine that embeds Python need
 # not ignore SIGPIPE (zmq sends with this flag too).
@@ -55,7 +61,8 @@ class LinkClosed(ConnectionError):
 class FrameStream:
     """Length-prefixed frames over one connected, non-blocking Unix stream socket."""
 
-    def __init__(self, sock: socket.socket, on_backlog: Callable[[], None] | None = None):
+    def __init__(self, sock: socket.socket, on_backlog: Callable[[], None] | None = None,
+                 max_frame: int = wire.MAX_FRAME_BYTES, bounded: bool = False):
         sock.setblocking(False)
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:
@@ -72,8 +79,16 @@ class FrameStream:
         self._filled = 0
         self.partial_bytes_copied = 0  # bytes copied into _head or _body from reads (tests: linear)
         self._backlog: collections.deque[memoryview] = collections.deque()
+        self._backlog_bytes = 0
         self._on_backlog = on_backlog
         self.broken = False
+        # The longest frame this end accepts: a length over it closes the link (the engine lowers
+        # it to what a rank legitimately sends, and to a hello's size before the hello).
+        self.max_frame = max_frame
+        # Only the engine bounds its backlog (``MAX_BACKLOG_*``): a rank's results wait whatever it
+        # takes for a paused engine, since a refused result would leave a gap in its stream.
+        self._bounded = bounded
+        self.refused_frames = 0  # sends refused because the backlog was full
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -89,12 +104,18 @@ class FrameStream:
 
     def send(self, frame: bytes) -> bool:
         """Queue ``frame`` after every earlier one and send what the socket takes now.
-        False if the link is broken (the frame is not sent)."""
+        False if the link is broken (``broken``), or bounded and the frame would take its backlog
+        past ``MAX_BACKLOG_FRAMES`` or ``MAX_BACKLOG_BYTES``: then nothing of it is queued."""
         if self.broken:
             return False
         data = LENGTH.pack(len(frame)) + frame
         if self._backlog:
+            if self._bounded and (len(self._backlog) >= MAX_BACKLOG_FRAMES
+                                  or self._backlog_bytes + len(data) > MAX_BACKLOG_BYTES):
+                self.refused_frames += 1
+                return False
             self._backlog.append(memoryview(data))
+            self._backlog_bytes += len(data)
             return self.flush()
         try:
             sent = self.sock.send(data, _NO_SIGPIPE)
@@ -105,6 +126,7 @@ class FrameStream:
             return False
         if sent < len(data):
             self._backlog.append(memoryview(data)[sent:])
+            self._backlog_bytes += len(data) - sent
             if self._on_backlog is not None:
                 self._on_backlog()  # the poller waits for room from now on
         return True
@@ -120,6 +142,7 @@ class FrameStream:
             except OSError:
                 self.broken = True
                 return False
+            self._backlog_bytes -= sent
             if sent == len(head):
                 self._backlog.popleft()
             else:
@@ -197,8 +220,8 @@ class FrameStream:
                         return
                     (size,) = LENGTH.unpack(head)
                     head.clear()
-                if size > wire.MAX_FRAME_BYTES:
-                    raise LinkClosed(f"frame length {size} over the {wire.MAX_FRAME_BYTES}-byte limit")
+                if size > self.max_frame:
+                    raise LinkClosed(f"frame length {size} over the {self.max_frame}-byte limit")
                 if end - at >= size:  # the whole frame is in this read
                     frames.append(data[at:at + size])
                     at += size
@@ -217,6 +240,7 @@ class FrameStream:
     def close(self) -> None:
         self.broken = True
         self._backlog.clear()
+        self._backlog_bytes = 0
         self.sock.close()
 
 
@@ -255,20 +279,23 @@ class LocalListener:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def accept(self, on_backlog: Callable[[], None] | None = None) -> list[tuple[FrameStream, int, int]]:
-        """Every waiting connection, with its peer's (pid, uid)."""
+    def accept(self, limit: int) -> list[tuple[socket.socket, int, int]]:
+        """Up to ``limit`` waiting connections, each with its peer's (pid, uid).  The bound keeps a
+        connect flood from holding the polling thread: the rest wait in the kernel's queue, the
+        listener stays readable, and the next wake-up takes the next ``limit``."""
         out = []
-        while True:
+        for _ in range(limit):
             try:
                 conn, _ = self.sock.accept()
             except BlockingIOError:
-                return out
+                break
             try:
                 pid, uid = peer_credentials(conn)
             except OSError:
                 conn.close()
                 continue
-            out.append((FrameStream(conn, on_backlog), pid, uid))
+            out.append((conn, pid, uid))
+        return out
 
     def close(self) -> None:
         self.sock.close()

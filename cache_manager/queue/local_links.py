@@ -20,11 +20,16 @@ from cache_manager.queue import wire
 from cache_manager.queue.local_link import MAX_UNBOUND_CONNECTIONS, FrameStream, LinkClosed, LocalListener
 from cache_manager.queue.checks import DropLog
 from cache_manager.queue.session import Registry
-from cache_manager.queue.zmq_sockets import FD_IN, EdgePoller
+from cache_manager.queue.zmq_sockets import (FD_IN, MAX_HELLO_FRAME_BYTES, MAX_RESULT_FRAME_BYTES, EdgePoller,
+                                             RateLimitedLog)
 
 logger = logging.getLogger("cache_manager.queue.server")
 
 READS_PER_WAKE = 64  # socket reads per link per wake-up, so one busy rank cannot starve the rest
+# Connections taken per wake-up: the listener's name is in /proc/net/unix for every user to read, and
+# a connect flood (76,166 connects from another uid once held swaps at 87 ms) must leave the loop
+# free to serve the ranks' links between batches.  The rest wait in the kernel's listen queue.
+ACCEPTS_PER_WAKE = 16
 
 
 class LocalLinks:
@@ -38,6 +43,7 @@ class LocalLinks:
         self._links: dict[int, tuple[FrameStream, int]] = {}  # fd -> (link, peer pid)
         self._unbound: collections.OrderedDict[FrameStream, None] = collections.OrderedDict()
         self._poller: EdgePoller | None = None
+        self.refused = RateLimitedLog(logger, "refused local links from other users")
 
     @property
     def path(self) -> str:
@@ -61,12 +67,14 @@ class LocalLinks:
             self._poller.watch(fd, link.wanted_events)
 
     def _accept(self) -> None:
-        for link, pid, uid in self.listener.accept(on_backlog=self._wake):
+        for conn, pid, uid in self.listener.accept(ACCEPTS_PER_WAKE):
             if uid != os.geteuid():
-                logger.warning("refused a local link from pid %d of uid %d (the engine runs as uid %d)",
-                               pid, uid, os.geteuid())
-                link.close()
+                conn.close()
+                self.refused(f"pid {pid} of uid {uid} (the engine runs as uid {os.geteuid()})")
                 continue
+            # Until its hello, a link may send only a hello's bytes; its backlog is bounded, so a
+            # rank that stops reading cannot grow the engine (``local_link.MAX_BACKLOG_*``).
+            link = FrameStream(conn, self._wake, max_frame=MAX_HELLO_FRAME_BYTES, bounded=True)
             fd = link.fileno()
             self._links[fd] = (link, pid)
             self._poller.watch(fd, link.wanted_events)
@@ -122,6 +130,7 @@ class LocalLinks:
             self.close(link, problem)
         else:
             self._unbound.pop(link, None)
+            link.max_frame = MAX_RESULT_FRAME_BYTES  # an authenticated rank's results
 
     def close(self, link: FrameStream, reason: str) -> None:
         """Close one link (I/O thread, or after it stopped) and tell the server."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from typing import Callable
 
 import zmq
@@ -42,15 +43,17 @@ from cache_manager.cache_tasks import RankResult
 from cache_manager.queue.checks import (DropLog, LoopErrors, Refused, barrier_fields, is_int, rank_result_from_body,
                            unsupported_result_fields)
 from cache_manager.queue.barriers import Barriers
-from cache_manager.queue.zmq_sockets import NONCE_BYTES, POLL_MS, RECV_BATCH, EdgePoller, Waker, peer_name, readable, socket_options
+from cache_manager.queue.zmq_sockets import (MAX_HELLO_FRAME_BYTES, MAX_RESULT_FRAME_BYTES, NONCE_BYTES, NOT_READING,
+                                             POLL_MS, ROUTER_BYTES_PER_WAKE, ROUTER_FRAMES_PER_WAKE, EdgePoller,
+                                             RateLimitedLog, TransportCuts, Unreachable, Waker, peer_name, readable,
+                                             socket_options)
+from cache_manager.queue.local_link import MAX_BACKLOG_FRAMES
 from cache_manager.queue.local_links import LocalLinks
 from cache_manager.queue.session import CONTROL, DOWN, TASKS, UP, Registry, Session, stream
 
 __all__ = ["EngineCacheQueueServer"]
 
 logger = logging.getLogger(__name__)
-
-
 
 class EngineCacheQueueServer:
     """The engine side.  Callbacks run on the server's I/O thread and must not block."""
@@ -64,7 +67,10 @@ class EngineCacheQueueServer:
         on_result: Callable[[RankResult], None] | None = None,
         on_rank_joined: Callable[[int, int], None] | None = None,
         local_links: bool = True,
+        on_rank_broken: Callable[[int, int, str], None] | None = None,
     ):
+        """``on_rank_broken(rank, pid, why)``: a live rank's stream broke for good (``session.Registry.broke``);
+        called once per session, under the server's lock, on any of its threads: it must only hand off."""
         if num_ranks < 1:
             raise ValueError(f"num_ranks {num_ranks} must be at least 1")
         self.num_ranks = num_ranks
@@ -78,7 +84,7 @@ class EngineCacheQueueServer:
         self._router = self._ctx.socket(zmq.ROUTER)
         # Sends here are small answers (welcome, barrier_done): bounded, so a peer that never
         # reads cannot grow the engine's memory; ROUTER_MANDATORY turns a full pipe into an error.
-        socket_options(self._router, rcvhwm=1000, sndhwm=1000)
+        socket_options(self._router, rcvhwm=1000, sndhwm=1000, max_frame=MAX_RESULT_FRAME_BYTES)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if port == 0:
             self.port = self._router.bind_to_random_port(f"tcp://{host}")
@@ -88,16 +94,21 @@ class EngineCacheQueueServer:
         self.host = host
         # Tasks go out on a second socket, owned by whichever thread holds _send_lock.
         self._tasks = self._ctx.socket(zmq.ROUTER)
-        socket_options(self._tasks, rcvhwm=64)  # only one hello per rank comes in here
+        # Only one hello per rank comes in here.  What goes out waits at most MAX_BACKLOG_FRAMES per
+        # rank, as on a local link: a rank that stops reading makes sends fail (EAGAIN), not memory grow.
+        socket_options(self._tasks, rcvhwm=64, sndhwm=MAX_BACKLOG_FRAMES, max_frame=MAX_HELLO_FRAME_BYTES)
         self._tasks.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.task_port = self._tasks.bind_to_random_port(f"tcp://{host}")
         self._send_lock = threading.Lock()
         self._waker = Waker(self._ctx)
         self._reg = Registry(num_ranks)
+        self._reg.on_break = on_rank_broken
         self._lock = threading.Lock()  # guards _reg: the I/O thread, pump() and forget_rank() share it
         self._seq = itertools.count()
         self._barriers = Barriers(num_ranks, lambda rank, body: self._send(self._live(rank), body))
         self._drop = DropLog(logger)
+        self._not_reading = RateLimitedLog(logger, "tasks refused to ranks that do not read")
+        self._cuts = TransportCuts([self._router, self._tasks], logger)  # e.g. oversized frames: zmq logs none
         self._errors = LoopErrors(logger, "engine cache queue")
         self._stop = threading.Event()
         self._poller = EdgePoller()  # the I/O thread's
@@ -144,11 +155,11 @@ class EngineCacheQueueServer:
         """The local link's socket, or None when the server offers none."""
         return self._local.path if self._local is not None else None
 
-    def broadcast(self, task: dict) -> list[int]:
+    def broadcast(self, task: dict) -> Unreachable:
         """Send ``task`` (a wire dict with a ``task_id``) to every rank, after all earlier ones.
 
-        Returns the ranks it could not reach (not registered, disconnected, or a send that
-        would block): the task is never silently lost on a rank."""
+        Returns the ranks it could not reach (not registered, disconnected, or a rank whose
+        backlog is full), each with its reason: the task is never silently lost on a rank."""
         with self._send_lock:
             with self._lock:
                 targets = self._reg.reachable()
@@ -157,35 +168,58 @@ class EngineCacheQueueServer:
                 with self._lock:
                     targets = self._reg.reachable()
             payload = wire.pack({"type": "task", "seq": next(self._seq), "task": task})
-            return [rank for rank in range(self.num_ranks) if not self._send_task(targets.get(rank), payload)]
+            missed = Unreachable()
+            for rank in range(self.num_ranks):
+                why = self._send_task(targets.get(rank), payload)
+                if why is not None:
+                    missed.append(rank)
+                    missed.reasons[rank] = why
+            return missed
 
-    def _send_task(self, session: Session | None, payload: bytes) -> bool:
+    def _send_task(self, session: Session | None, payload: bytes) -> str | None:
+        """None once the task is on its way to ``session``'s rank, else why it is not."""
         # Only a holder of _send_lock advances a task stream, so its counter needs no other lock.
         if session is None:
-            return False
+            return "is not connected to the queue"
         frame = wire.seal(payload, self._secret, session.sid, stream(TASKS, DOWN), session.next_counter(TASKS))
         link = session.local
         if link is not None:
             if not link.send(frame):
-                return False
+                return self._broke(session, "is not connected: its local link closed") if link.broken else \
+                    self._refused(session.rank)  # not broken: its backlog is full
             session.advance(TASKS)
-            return True
+            return None
         try:
             self._tasks.send_multipart([session.task_identity, frame], zmq.NOBLOCK)
-        except zmq.ZMQError:  # EHOSTUNREACH: disconnected; EAGAIN: would block
-            return False
+        except zmq.Again:  # its pipe holds MAX_BACKLOG_FRAMES (SNDHWM): it does not read
+            return self._refused(session.rank)
+        except zmq.ZMQError:  # EHOSTUNREACH: disconnected (a reconnect drops what its old pipe held)
+            return self._broke(session, "is not connected to the queue: its task connection dropped")
         session.advance(TASKS)
-        return True
+        return None
+
+    def _broke(self, session: Session, why: str) -> str:
+        """A send found ``session``'s task channel gone: its stream is broken (``Registry.broke``).  Returns ``why``."""
+        with self._lock:
+            self._reg.broke(session, why)
+        return why
+
+    def _refused(self, rank: int) -> str:
+        self._not_reading(f"rank {rank} {NOT_READING}")
+        return NOT_READING
 
     def pump(self) -> None:
-        """Register task connections that said hello (the supervisor calls this periodically)."""
+        """Register task connections that said hello (the supervisor calls this periodically), and
+        break the streams whose lost frame is overdue (``Registry.overdue_gaps``)."""
         with self._send_lock:
             self._pump_locked()
+        with self._lock:
+            self._reg.overdue_gaps(time.monotonic())
 
     def _pump_locked(self) -> None:
         if self._tasks.closed:
             return
-        for _ in range(RECV_BATCH):
+        for _ in range(ROUTER_FRAMES_PER_WAKE):  # hellos only; the caller may hold the send lock
             try:
                 frames = self._tasks.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -229,6 +263,7 @@ class EngineCacheQueueServer:
             logger.error("queue I/O thread did not stop within %.1fs", timeout)
             return
         with self._send_lock:
+            self._cuts.close()
             self._tasks.close(0)
         if self._local is not None:
             self._local.close_all()
@@ -241,6 +276,8 @@ class EngineCacheQueueServer:
         poller = self._poller
         poller.add_socket(self._router)
         poller.add_socket(self._waker.pull)
+        for monitor in self._cuts.monitors:
+            poller.add_socket(monitor)
         if self._local is not None:
             self._local.register(poller)
         while not self._stop.is_set():
@@ -254,12 +291,12 @@ class EngineCacheQueueServer:
         ready, fds = poller.poll(self._poll_timeout_ms())
         if self._waker.pull in ready:
             self._waker.drain()  # rung to stop the loop, or to watch a local link's backlog
+        self._cuts.drain(ready, poller)
         if self._router in ready:
-            for i in range(RECV_BATCH):  # bounded batch, then service the doorbell and deadlines again
+            budget = ROUTER_BYTES_PER_WAKE  # a bounded batch, then the local links, doorbell and deadlines
+            for _ in range(ROUTER_FRAMES_PER_WAKE):
                 if not readable(self._router):
                     break
-                if i == RECV_BATCH - 1:
-                    poller.touch(self._router)  # more may wait: look again before blocking
                 try:
                     frames = self._router.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -268,6 +305,12 @@ class EngineCacheQueueServer:
                     self._handle(frames)
                 except Exception:  # one frame's failure costs that frame, not the thread
                     self._errors()
+                budget -= len(frames[-1])
+                if budget < 0:
+                    poller.touch(self._router)  # more may wait: look again before blocking
+                    break
+            else:
+                poller.touch(self._router)
         if self._local is not None:
             self._local.handle(fds)
         self._expire_barriers()
@@ -302,6 +345,13 @@ class EngineCacheQueueServer:
 
     def _handle(self, frames: list[bytes]) -> None:
         identity, peer = frames[0], peer_name(frames[0])
+        if len(frames[-1]) > MAX_HELLO_FRAME_BYTES:  # only a bound connection sends more than a hello
+            with self._lock:
+                bound = identity in self._reg.links
+            if not bound:  # dropped before its MAC is computed: unauthenticated bytes cost a length check
+                self._drop("oversized", f"{len(frames[-1])} bytes before a hello (at most {MAX_HELLO_FRAME_BYTES})",
+                           peer)
+                return
         env = self._open(frames, peer)
         if env is None:
             return

@@ -1,31 +1,62 @@
-"""The zmq pieces both ends of the EngineCacheQueue share: socket limits, readiness, routing ids,
-the doorbell that wakes a thread blocked in a poll, and the poller both loops block in."""
+"""The zmq pieces both ends of the EngineCacheQueue share: socket limits, the engine's bounds on
+what it takes per frame and per wake-up, readiness, routing ids, the doorbell that wakes a thread
+blocked in a poll, the poller both loops block in, and a rate-limited log for what a peer can
+trigger at will."""
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import queue
 import secrets
 import select
 import threading
+import time
 
 import zmq
 
-from cache_manager.queue import wire
+from cache_manager.queue import local_link, wire
 
 POLL_MS = 1000
 RECV_BATCH = 1000  # frames per socket per wake-up, so one busy socket cannot starve the others
 NONCE_BYTES = 16
+# The largest frames the engine receives, so a peer that has not authenticated cannot make it copy
+# and MAC megabytes (16 MiB cost 11.5 ms of MAC each).  A hello (any channel) is about 150 bytes:
+# every frame before a connection's hello, and every frame on the task port, is held to 4 KiB.  A
+# result is the largest frame a rank sends: a storage answer lists its block ids (at most 5 bytes
+# each), an error carries at most ``checks.MAX_TEXT_CHARS`` characters (4 MiB of UTF-8 at worst);
+# 8 MiB holds either with room.  Tasks (engine to rank) may still use all of ``wire.MAX_FRAME_BYTES``.
+MAX_HELLO_FRAME_BYTES = 4096
+MAX_RESULT_FRAME_BYTES = 8 * 1024 * 1024
+# Router frames (and bytes of them) handled per wake-up before the local links are served: a flood
+# at a port (1,000 frames a wake-up once took local swaps to a p99 of 933 ms) then delays the local
+# ranks' results by one bounded batch, and the normal path still takes every waiting frame in one
+# wake-up (a few ranks' results).
+ROUTER_FRAMES_PER_WAKE = 64
+ROUTER_BYTES_PER_WAKE = 1024 * 1024
+NOT_READING = (f"is not reading its tasks: its backlog is full ({local_link.MAX_BACKLOG_FRAMES} frames or "
+               f"{local_link.MAX_BACKLOG_BYTES >> 20} MiB)")
 
 
-def socket_options(sock: zmq.Socket, rcvhwm: int, sndhwm: int = 0) -> None:
+class Unreachable(list):
+    """The ranks a broadcast did not reach, as a list, with why in ``reasons[rank]`` (a phrase
+    after "rank N", e.g. ``NOT_READING``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reasons: dict[int, str] = {}
+
+
+def socket_options(sock: zmq.Socket, rcvhwm: int, sndhwm: int = 0, max_frame: int = wire.MAX_FRAME_BYTES) -> None:
     """Every socket that faces a peer: a size limit and a queue bound on what it receives.
 
     A full receive queue of a TCP peer makes zmq stop reading that connection (back pressure),
-    it does not drop.  Sends default to no bound (SNDHWM 0): ordered task delivery must
-    never silently lose a task at a high-water mark."""
+    it does not drop.  A frame over ``max_frame`` makes zmq close that connection as soon as it
+    reads the frame's length, before it buffers any of it.  Sends default to no bound (SNDHWM 0);
+    a socket that gives a bound must send with ROUTER_MANDATORY and NOBLOCK, so that a full
+    pipe is an error its sender reports, never a task silently dropped at the mark."""
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
     sock.setsockopt(zmq.RCVHWM, rcvhwm)
     sock.setsockopt(zmq.SNDHWM, sndhwm)
 
@@ -48,6 +79,72 @@ def routing_id(label: str) -> bytes:
 
 def peer_name(identity: bytes) -> str:
     return repr(identity[:40])
+
+
+class RateLimitedLog:
+    """A warning that an attacker can trigger at will (a refused connection, a full backlog): the
+    first one is logged at once, the rest are counted and summed up in at most one line per
+    ``interval`` seconds, so a flood of them costs a counter each, not a log line each."""
+
+    def __init__(self, log: logging.Logger, what: str, interval: float = 10.0, single_level: int = logging.WARNING):
+        self._log, self._what, self._interval = log, what, interval
+        self._single_level = single_level  # a lone event's level; a burst is always a warning
+        self._lock = threading.Lock()
+        self._last = -interval
+        self._held = 0
+        self.count = 0
+
+    def __call__(self, detail: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.count += 1
+            self._held += 1
+            if now - self._last < self._interval:
+                return
+            held, self._held, self._last = self._held, 0, now
+            count = self.count
+        if held == 1:
+            self._log.log(self._single_level, "%s: %s (%d so far)", self._what, detail, count)
+        else:
+            self._log.warning("%s: %d in the last %.0fs, the latest: %s (%d so far)",
+                              self._what, held, self._interval, detail, count)
+
+
+class TransportCuts:
+    """Connections zmq closed on the engine's ROUTERs, logged at a bounded rate (``RateLimitedLog``).
+
+    zmq closes a connection whose frame is over the socket's MAXMSGSIZE as soon as it reads the
+    length, and tells nobody; a monitor's DISCONNECTED events are the only trace.  They do not say
+    why (a peer that left looks the same), so they are counted and summed up, never logged one each:
+    a flood of oversized frames is a flood of them.  The owner polls ``monitors`` and calls ``drain``."""
+
+    def __init__(self, socks: list[zmq.Socket], log: logging.Logger):
+        self._socks = socks
+        self.monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) for sock in socks]
+        # One such close is usually a peer that left (a rank stopping): information.  A burst of
+        # them is the trace of a flood: a warning.
+        self.log = RateLimitedLog(log, "connections closed by the transport (the peer left, or sent a frame over "
+                                       "the port's size limit or broke the protocol)", single_level=logging.INFO)
+
+    def drain(self, ready: set[zmq.Socket], poller: EdgePoller) -> None:
+        for monitor in self.monitors:
+            if monitor not in ready:
+                continue
+            for _ in range(RECV_BATCH):
+                try:
+                    event = monitor.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.log(f"on {event[-1][:64].decode(errors='replace')}")
+            else:
+                poller.touch(monitor)  # more may wait: look again before blocking
+
+    def close(self) -> None:
+        """Before the sockets close (the caller holds whatever lock guards their use)."""
+        for sock in self._socks:
+            sock.disable_monitor()
+        for monitor in self.monitors:
+            monitor.close(0)
 
 
 class Waker:

@@ -73,7 +73,7 @@ class RankResources:
             except FileNotFoundError:
                 pass
             if time.monotonic() > deadline:
-                name = signal_segment_name(CACHE_READY_SIGNAL, self._args.engine_worker_queue_port)
+                name = signal_segment_name(CACHE_READY_SIGNAL, self._signals.suffix)
                 raise TimeoutError(f"cache_ready_signal ({name}) not set for rank {self.rank} within {timeout}s")
             if self._stop_event.wait(0.05):
                 raise EngineGone("stopped while waiting for caches")

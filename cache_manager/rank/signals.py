@@ -8,9 +8,14 @@ from cache_manager.ipc_signal import IPCSignal
 
 
 class RankSignals:
-    def __init__(self, suffix: int):
+    def __init__(self, suffix: int | str):
         self._suffix = suffix
         self._attached: dict[str, IPCSignal] = {}
+
+    @property
+    def suffix(self) -> int | str:
+        """The engine's IPC suffix (``ipc_signal.ipc_suffix``) the signals are named with."""
+        return self._suffix
 
     def attach(self, name: str, shape: int) -> IPCSignal:
         """Attach ``name`` (``FileNotFoundError`` while the engine has not created it)."""
