@@ -14,6 +14,9 @@ class CacheStatus(IntEnum):
     CPU = 3
     GPU2STORAGE = 4
     STORAGE2GPU = 5
+    # Ours, not FastDeploy's: a decode rank reads a prefill instance's blocks (DESIGN §3.11).
+    PEER_PULL = 20
+    PEER_PUSH = 21  # a prefill rank writes blocks into a decode instance's reserved blocks, layer by layer
 
 
 class KVCacheStatus(IntEnum):

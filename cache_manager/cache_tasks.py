@@ -76,7 +76,41 @@ class ControlTask:
     event_type: int = int(CacheStatus.CTRL)
 
 
-Task = SwapTask | ReadStorageTask | WriteStorageTask | ControlTask
+@dataclass
+class PullTask:
+    """Read blocks of a linked prefill instance (``peer``) exposed under ``handle`` into this
+    instance's device blocks or host swap slots (DESIGN §3.11)."""
+
+    task_id: str
+    peer: str
+    handle: dict  # transfer_factory.peer.handles.TransferHandle's wire form, checked by the rank
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    placement: str = "device"  # or "host": the destination is the rank's swap space
+    layers: tuple[int, int] | None = None  # [first, stop); None: every layer
+    event_type: int = int(CacheStatus.PEER_PULL)
+
+
+@dataclass
+class PushTask:
+    """Write this rank's ``src_block_ids`` into the ``dst_block_ids`` a linked decode instance
+    (``peer``) reserved, layer by layer, publishing each layer on the peer's layer board at
+    ``target`` ({slot, seq}); with ``layerwise.await_compute``, layer ``l`` waits until the engine
+    says it is computed (DESIGN §3.11, LLM-DataDist's ``push_cache``)."""
+
+    task_id: str
+    peer: str
+    target: LayerwiseRef  # the slot and seq the decode engine drew on its own board
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    layerwise: LayerwiseRef | None = None  # this engine's compute progress, for a layer-wise push
+    event_type: int = int(CacheStatus.PEER_PUSH)
+
+
+PLACEMENTS = ("device", "host")
+
+
+Task = SwapTask | ReadStorageTask | WriteStorageTask | ControlTask | PullTask | PushTask
 
 
 def _layerwise(d: dict) -> LayerwiseRef | None:
@@ -156,6 +190,17 @@ def task_from_wire(d: Any) -> Task:
         if not isinstance(args, dict):
             raise TaskFormatError("control task field 'args' must be a map")
         return ControlTask(task_id, _str(d, "command"), args)
+    if status == CacheStatus.PEER_PULL:
+        return _pull_task(task_id, d)
+    if status == CacheStatus.PEER_PUSH:
+        src, dst = _int_list(d, "src_block_ids"), _int_list(d, "dst_block_ids")
+        if len(src) != len(dst):
+            raise TaskFormatError(f"push has {len(src)} source blocks but {len(dst)} destination blocks")
+        try:
+            target = LayerwiseRef.from_wire(d.get("target"))
+        except ValueError as exc:
+            raise TaskFormatError(f"push target: {exc}") from None
+        return PushTask(task_id, _str(d, "peer"), target, src, dst, _layerwise(d))
     keys = d.get("keys")
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise TaskFormatError("task field 'keys' must be a list of strings")
@@ -172,6 +217,23 @@ def task_from_wire(d: Any) -> Task:
         return WriteStorageTask(task_id, keys, _int_list(d, "token_ids"), _int_list(d, "gpu_block_ids"),
                                 float(timeout), layerwise=_layerwise(d))
     raise TaskFormatError(f"event type {status.name} ({event}) is not a task the CTM runs")
+
+
+def _pull_task(task_id: str, d: dict) -> PullTask:
+    placement, layers, handle = d.get("placement", "device"), d.get("layers"), d.get("handle")
+    if placement not in PLACEMENTS:
+        raise TaskFormatError(f"pull placement {placement!r:.40} must be one of {PLACEMENTS}")
+    if layers is not None:
+        if not (isinstance(layers, list) and len(layers) == 2 and all(type(v) is int for v in layers)
+                and 0 <= layers[0] < layers[1]):
+            raise TaskFormatError(f"pull layers {layers!r:.80} must be [first, stop) with 0 <= first < stop")
+        layers = (layers[0], layers[1])
+    if not isinstance(handle, dict):
+        raise TaskFormatError("pull task field 'handle' must be a map")
+    src, dst = _int_list(d, "src_block_ids"), _int_list(d, "dst_block_ids")
+    if len(src) != len(dst):
+        raise TaskFormatError(f"pull has {len(src)} source blocks but {len(dst)} destination blocks")
+    return PullTask(task_id, _str(d, "peer"), handle, src, dst, placement, layers)
 
 
 @dataclass

@@ -49,7 +49,9 @@ from cache_manager.cache_data import (
     KV_CACHE_STATUS_SIGNAL,
     CacheStatus,
 )
-from cache_manager.cache_tasks import (ControlTask, Outcome, RankResult, ReadStorageTask, SwapTask, TaskFormatError, task_deadline,
+from cache_manager.rank.peer_links import PeerLinks, peer_command
+from cache_manager.rank.peer_transfers import PeerTransfers
+from cache_manager.cache_tasks import (ControlTask, PullTask, PushTask, Outcome, RankResult, ReadStorageTask, SwapTask, TaskFormatError, task_deadline,
                           task_from_wire)
 from cache_manager.ctm_flags import NPU_COPY_ENGINE_DEFAULT, parse_args, spec_from_args
 from cache_manager.engine_watch import EngineGone, EngineWatch
@@ -135,6 +137,8 @@ class CacheTransferManager:
                                        self._check_engine)
         self.layer_board = RankLayerBoard(args.mp_num, self.ipc_suffix, args.rank, log)
         self._swap_plans = SwapPlans()  # the kinds' swap plans merged, rebuilt when the plans change
+        self.peers: PeerLinks | None = None  # links to other engine instances' ranks (prefill/decode)
+        self.transfers: PeerTransfers | None = None  # the pulls and pushes over them
 
     # -- start-up -------------------------------------------------------------
     def start(self) -> None:
@@ -157,12 +161,15 @@ class CacheTransferManager:
                                             f"tcp://{a.pod_ip}:{a.cache_queue_port}", hello_timeout=a.attach_timeout)
         init = lambda: self.platform.set_device(a.device_id)  # noqa: E731  (device binding is per thread)
         for kind, workers in (("swap_to_cpu", a.swap_threads), ("swap_to_gpu", a.swap_threads),
-                              ("read_storage", 1), ("write_storage", 1), ("control", 1)):
+                              ("read_storage", 1), ("write_storage", 1), ("control", 1), ("pd_pull", 1), ("pd_push", 1)):
             self.pools[kind] = ThreadPoolExecutor(workers, thread_name_prefix=kind, initializer=init)
         self.scheduler = TaskScheduler(self.pools, self.rank, self.queue.send_result, self.log)
         self.signals.attach(CACHE_TRANSFER_INITED_SIGNAL, a.mp_num)
         self.lifecycle = KvCacheLifecycle(self.resources, self.scheduler, self.signals, self.queue, self.rank,
                                           self.log, self.stop_event, a.rl_barrier_timeout)
+        self.peers = PeerLinks(self.rank, a.mp_num, a.splitwise_role, self.spec, self.resources, self.platform,
+                               a.pod_ip, self.log)
+        self.transfers = PeerTransfers(self.peers, self.resources, self.platform, self.log)
         self.signals[CACHE_TRANSFER_INITED_SIGNAL].value[self.rank] = 1
         self.log.info("ready: rank %d of %d, pid %d", self.rank, a.mp_num, os.getpid())
 
@@ -227,6 +234,13 @@ class CacheTransferManager:
             inline = (self.platform.copies_cannot_stall and task.layerwise is None
                       and len(task.gpu_block_ids) * self.resources.block_bytes_all_layers <= INLINE_SWAP_MAX_BYTES)
             submit(task.task_id, seq, kind, touched, deadline, lambda: self._swap(task, deadline), inline=inline)
+        elif isinstance(task, PullTask):
+            touched = zip(repeat("cpu" if task.placement == "host" else "gpu"), task.dst_block_ids)
+            submit(task.task_id, seq, "pd_pull", touched, deadline, lambda: self.transfers.pull(task, deadline),
+                   drop_value=[])
+        elif isinstance(task, PushTask):
+            submit(task.task_id, seq, "pd_push", zip(repeat("gpu"), task.src_block_ids), deadline,
+                   lambda: self._push(task, deadline), drop_value=[])
         elif isinstance(task, ControlTask):
             submit(task.task_id, seq, "control", (), deadline, lambda: self._control(task))
         else:
@@ -263,7 +277,15 @@ class CacheTransferManager:
             if task.args.get("rank", self.rank) == self.rank:
                 self.stop_event.wait(min(float(task.args.get("seconds", 0)), 60.0))
             return None
+        if task.command.startswith("pd_"):
+            return peer_command(self.peers, task.command, task.args, self.rank)
         raise ValueError(f"unknown control command {task.command!r}")
+
+    def _push(self, task: PushTask, deadline: float | None) -> Outcome:
+        publisher = self.layer_board.publisher(task.layerwise) if task.layerwise else None
+        with publishing(publisher):
+            return self.transfers.push(task, deadline if deadline is not None else time.monotonic() + 30.0, publisher,
+                                   self.stop_event)
 
     def _storage(self, task: Any, deadline: float | None) -> Outcome:
         publisher = self.layer_board.publisher(task.layerwise) if task.layerwise else None
@@ -299,6 +321,10 @@ class CacheTransferManager:
         for pool in self.pools.values():
             pool.shutdown(wait=True, cancel_futures=True)
         self.resources.close_storage()
+        if self.transfers is not None:
+            self.transfers.close()
+        if self.peers is not None:
+            self.peers.close()
         if self.queue is not None:
             self.queue.flush()
             self.queue.close()  # also answers a barrier still waited at

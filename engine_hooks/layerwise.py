@@ -62,6 +62,10 @@ class LayerwiseTasks:
             raise OverflowError("layer-wise sequence numbers exhausted")
         return LayerwiseRef(slot, seq, await_compute)
 
+    def free(self, ref: LayerwiseRef) -> None:
+        """Give back a slot acquired for a task this engine watches itself (a push into it)."""
+        self._free_slot(ref.slot)
+
     def _free_slot(self, slot: int) -> None:
         with self._lock:
             self._free.append(slot)

@@ -55,14 +55,15 @@ class Pending:
     submitted: float = field(default_factory=time.perf_counter)
 
 
-STORAGE_EVENTS = (CacheStatus.STORAGE2GPU, CacheStatus.GPU2STORAGE)
+# Tasks whose answer is the list of blocks the rank moved; the task's result is the shortest.
+BLOCK_LIST_EVENTS = (CacheStatus.STORAGE2GPU, CacheStatus.GPU2STORAGE, CacheStatus.PEER_PULL, CacheStatus.PEER_PUSH)
 
 
 def value_problem(task: dict, result: RankResult) -> str | None:
     """Why a successful answer's value cannot be ``aggregate``d for ``task``, or None.  Checked
     before the task leaves the pending table: a TypeError there would leave its future unresolved
     with no deadline left to fail it."""
-    if not result.ok or task.get("event_type") not in STORAGE_EVENTS:
+    if not result.ok or task.get("event_type") not in BLOCK_LIST_EVENTS:
         return None  # a swap's result comes from the task; a control task's values are anything
     value = result.value
     if type(value) is list and all(type(v) is int for v in value):
@@ -75,7 +76,7 @@ def aggregate(task: dict, results: dict[int, RankResult], tp: int) -> Any:
     event = task.get("event_type")
     if event in (CacheStatus.SWAP2CPU, CacheStatus.SWAP2GPU):
         return (event, task["task_id"], task["swap_node_ids"], task["gpu_block_ids"], task["cpu_block_ids"])
-    if event in STORAGE_EVENTS:
+    if event in BLOCK_LIST_EVENTS:
         return min((results[r].value for r in range(tp)), key=len)
     return [results[r].value for r in range(tp)]
 

@@ -69,6 +69,7 @@ class CpuPlatform(Platform):
     host_addressable = True
     copies_cannot_stall = True
     takes_instance = True
+    exports_device_memory = True
 
     def __init__(self, instance: str | None = None, copy_threads: int | None = None):
         self.instance = instance or os.environ.get("CTM_INSTANCE", "0")
@@ -141,6 +142,13 @@ class CpuPlatform(Platform):
         if data.nbytes != view.nbytes:
             raise ValueError(f"write_bytes: {data.nbytes} bytes for a cache of {view.nbytes}")
         view.reshape(-1)[:] = data.reshape(-1)
+
+    def exported_region(self, tensor: Any) -> tuple[str, int, int]:
+        """(shared-memory name, offset, bytes) of a device tensor's memory, for a peer instance's
+        rank on this host to map (``transfer_factory.peer.ipc``)."""
+        info = tensor_info(tensor, "tensor")
+        alloc, offset = self._allocation_of(info.ptr)
+        return alloc.segment.name, offset, info.nbytes
 
     # -- IPC ---------------------------------------------------------------
     def set_data_ipc(self, tensor: Any, name: str) -> None:

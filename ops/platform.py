@@ -71,6 +71,10 @@ class Platform(ABC):
     # True where one plan merged from several kinds' swap plans (``ops.layout.merge_plans``) copies
     # as the kinds' own plans would: the CTM then makes one copy call per task, not one per kind.
     merges_swap_plans: bool = True
+    # True where device memory is a named shared-memory region that a process of another engine
+    # instance on the same host can map (``exported_region``): the same-host peer transport of
+    # prefill/decode (DESIGN §3.11) then copies a peer's blocks with the block-copy kernel.
+    exports_device_memory: bool = False
 
     @property
     def segment_prefix(self) -> str:

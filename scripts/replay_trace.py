@@ -29,6 +29,10 @@ processes, each with its own CTMs and Mooncake segments, share one master and on
 recovery after a kill.  Mooncake's own keys (segment, local buffer, replicas, lease and client TTL)
 are ``--mooncake-*`` flags.
 
+Prefill/decode (``--pd P:D``, ``replay_pd.py``): prefill instances serve the requests as above, then
+hand each one's blocks to a decode instance (``--pd-mode pull|push``, ``--pd-transport``), which
+verifies every block bit-exact; the JSON line adds the ``pd_*`` keys.
+
 Leftovers: the default store root (a temporary directory) is removed when the replay ends,
 fails, is interrupted, or is killed (a reaper process watches the replay, ``ops.procs``).
 CTM logs, and a local Mooncake master's log, go to ``--log-dir`` (default ``$CTM_LOG_DIR``,
@@ -58,6 +62,7 @@ from engine_hooks.service import default_log_dir  # noqa: E402
 from engine_hooks.write_policy import default_bounce_blocks  # noqa: E402
 from ops.procs import PathReaper  # noqa: E402
 import replay_instances  # noqa: E402
+import replay_pd  # noqa: E402
 from replay_workload import (HASH_BLOCK_TOKENS, KINDS, BadTraceLine, Content, Request, Tally,  # noqa: E402
                              generate_workload, load_trace, request_hashes, serve_request, summarize)
 
@@ -153,6 +158,8 @@ def print_summary(r: dict, args: argparse.Namespace) -> None:
         rows.append(("temporary store", f"removed in {r['store_cleanup_s']:.2f} s"))
     if r.get("instances", 1) > 1:
         rows += replay_instances.summary_rows(r)
+    if r.get("pd"):
+        rows += replay_pd.summary_rows(r)
     width = max(len(k) for k, _ in rows)
     print("-" * (width + 50))
     for k, v in rows:
@@ -177,7 +184,9 @@ def plot(r: dict, path: str, title: str) -> None:
     def rolling(a: np.ndarray) -> np.ndarray:
         return np.convolve(a, kernel, mode="same") / np.maximum(np.convolve(totals, kernel, mode="same"), 1)
 
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    pd_timeline = r.get("_pd_timeline")
+    fig, axes = plt.subplots(3 if pd_timeline else 2, 1, figsize=(9, 10 if pd_timeline else 7), sharex=True)
+    ax1, ax2 = axes[:2]
     ax1.stackplot(x, [rolling(per[t]) for t in TIERS[:3]], labels=["device", "host", "storage"],
                   colors=["#2b8cbe", "#7bccc4", "#f0a04b"])
     ax1.set_ylabel(f"hit ratio (rolling, {window} requests)")
@@ -195,6 +204,8 @@ def plot(r: dict, path: str, title: str) -> None:
         for ax in (ax1, ax2):
             ax.axvline(r["_kill_index"] + 0.5, color="#c0392b", linestyle=":", label="instance killed")
         ax2.legend(loc="lower right")
+    if pd_timeline:
+        replay_pd.plot_panel(axes[2], pd_timeline)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -227,6 +238,9 @@ def run_with_storage(args: argparse.Namespace, spec: CacheSpec, requests: list[R
                 master = replay_instances.start_local_master(args, log_dir)
                 print(f"started a local mooncake_master at {master.master_server_addr}", flush=True)
             storage_options = replay_instances.mooncake_options(args, master)
+        if args.pd:
+            return replay_pd.run(args, spec, requests, block_hashes, source, max_model_len, storage_options, log_dir,
+                                 Progress(len(requests), not args.no_progress), reaper)
         if args.instances > 1:
             return replay_instances.run(args, spec, requests, block_hashes, source, max_model_len, storage_options,
                                         master, log_dir, Progress(len(requests), not args.no_progress))
@@ -292,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-linger", type=float, default=0.0,
                    help="keep the metrics endpoint up this many seconds after the summary")
     replay_instances.add_arguments(p)
+    replay_pd.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print a final JSON line")
     p.add_argument("--plot", help="write a PNG: hit ratio over time and the tier breakdown")
     p.add_argument("--no-progress", action="store_true")
@@ -316,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_threshold < 1:
         parser.error(f"--write-threshold {args.write_threshold} must be positive")
     replay_instances.check_arguments(parser, args)
+    replay_pd.check_arguments(parser, args)
     if HASH_BLOCK_TOKENS % args.kv_blocks_per_hash:
         parser.error(f"--kv-blocks-per-hash {args.kv_blocks_per_hash} must divide {HASH_BLOCK_TOKENS}")
     block_size = HASH_BLOCK_TOKENS // args.kv_blocks_per_hash
@@ -368,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if not result.get("_reported"):
         report(result, args, source)
-    return 0 if result["corrupt_blocks"] == 0 else 1
+    return 0 if result["corrupt_blocks"] == 0 and not result.get("pd_corrupt_blocks") else 1
 
 
 def report(result: dict, args: argparse.Namespace, source: str) -> None:

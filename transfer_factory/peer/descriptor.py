@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "mixed")  # mixed: an instance that does both
 # The transports a rank may offer, best first: the same-host path copies from the peer's
 # exported segments and opens no port; the Transfer Engine crosses hosts.
 TRANSPORTS = ("ipc", "mooncake")

@@ -1,0 +1,257 @@
+"""A CTM rank's links to the ranks of other engine instances (prefill/decode, DESIGN §3.11).
+
+The engine drives this with control commands, every rank alike (``peer_command``):
+``pd_describe`` (this rank's ``PeerDescriptor``: layout, and where a peer finds its memory),
+``pd_link`` (check the peer rank's layout against ours, choose the transport both offer and open
+it: map its segments, or address it over this rank's Transfer Engine, opened on first need),
+``pd_unlink``.  Rank ``r`` of one instance links to rank ``r`` of the other (equal TP sizes).
+``using`` lends a link to one transfer (``peer_transfers``): an unlink refuses new transfers at
+once, and unmaps the peer's memory only when the last transfer using it has ended.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from ops.layout import describe_caches
+from ops.platform import Platform
+from ops.shm import SharedMemorySegment
+from transfer_factory.peer import PeerDescriptor, choose_transport, compatible_layouts
+from transfer_factory.peer.descriptor import CacheLayout
+from transfer_factory.peer.handles import BOARD_BYTES
+from transfer_factory.peer.ipc import IpcPeer, Region, ipc_params
+from transfer_factory.peer.te import TransferEngineEndpoint
+
+from cache_manager.cache_spec import CacheSpec
+from cache_manager.layer_progress import SLOTS
+from cache_manager.queue.clocks import boot_id
+from cache_manager.rank.resources import RankResources
+
+
+class PeerError(RuntimeError):
+    """A pull that cannot count: the message names the peer and why."""
+
+
+@dataclass
+class PeerLink:
+    descriptor: PeerDescriptor
+    transport: str
+    ipc: IpcPeer | None = None
+    te_address: str = ""
+    te_bases: dict[str, np.ndarray] | None = None  # kind -> the peer's per-layer addresses
+    te_board: int = 0
+    te_capacity: int = 0  # the fewest blocks of any of the peer's layers
+    te_layer_board: int = 0
+
+    users: int = 0  # transfers running over it now
+    unlinked: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.descriptor.instance_id} rank {self.descriptor.rank}"
+
+    def close(self) -> None:
+        if self.ipc is not None:
+            self.ipc.close()
+
+
+class PeerLinks:
+    def __init__(self, rank: int, tp: int, role: str, spec: CacheSpec, resources: RankResources,
+                 platform: Platform, te_hostname: str, log: logging.Logger):
+        self._rank, self._tp, self._role = rank, tp, role
+        self._spec = spec
+        self._resources = resources
+        self._platform = platform
+        self._log = log
+        self.te = TransferEngineEndpoint(te_hostname, "tcp", log)
+        self._te_scratch = np.zeros(1, dtype=np.int64)  # where board words land
+        self._board: SharedMemorySegment | None = None  # our engine's exposure board, for the TE
+        self._layer_board: SharedMemorySegment | None = None  # our engine's layer board, for the TE
+        self._te_lock = threading.Lock()  # one scratch word for board reads and writes
+        self._links: dict[str, PeerLink] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ describe
+    def _kinds(self) -> dict[str, int]:
+        """Per cache kind, the bytes of one block of one layer."""
+        return {g.kind: describe_caches(g.tensors)[1] for g in self._resources.groups}
+
+    def _layout(self) -> CacheLayout:
+        ns = self._resources.namespace()
+        spec = self._spec
+        return CacheLayout(model_id=ns.model_id, model_version=ns.model_version, cache_dtype=spec.cache_dtype,
+                           block_size=spec.block_size, num_layers=self._resources.num_layers, kv_heads=spec.kv_heads,
+                           head_dim=spec.head_dim, mla=spec.mla, num_blocks=spec.num_blocks,
+                           block_bytes=sum(self._kinds().values()))
+
+    def describe(self, args: dict) -> dict:
+        """This rank's descriptor.  ``args``: ``instance_id``, ``board`` ([segment, offset,
+        nbytes] of the engine's exposure board), ``engine_pid``, and ``offer`` (transports)."""
+        offer = args.get("offer", ["ipc"])
+        transports: dict[str, dict] = {}
+        board = Region.from_wire(["board", 0, *args["board"]])
+        layer_board = Region.from_wire(["layer_board", 0, *args["layer_board"]])
+        if "ipc" in offer and self._platform.exports_device_memory:
+            regions = [Region(g.kind, layer, *self._platform.exported_region(t))
+                       for g in self._resources.groups for layer, t in enumerate(g.tensors)]
+            transports["ipc"] = ipc_params(regions, board, layer_board, int(args["engine_pid"]))
+        if "mooncake" in offer:
+            transports["mooncake"] = self._open_te(board, layer_board)
+        return PeerDescriptor(instance_id=args["instance_id"], role=self._role, rank=self._rank, tp=self._tp,
+                              layout=self._layout(), boot_id=boot_id(), transports=transports).to_wire()
+
+    def _open_te(self, board: Region, layer_board: Region) -> dict:
+        """Open the Transfer Engine (once) and register the caches, the swap space and the boards."""
+        first = not self.te.is_open
+        address = self.te.open()
+        regions = []
+        for g in self._resources.groups:
+            for layer, t in enumerate(g.tensors):
+                ptr, nbytes = int(t.data_ptr()), int(np.prod(t.shape)) * t.element_size()
+                regions.append([g.kind, layer, ptr, nbytes])
+        if first:
+            for _, _, ptr, nbytes in regions:
+                self.te.register(ptr, nbytes)
+            for g in self._resources.groups:
+                for ptr in g.host_ptrs:
+                    self.te.register(ptr, self._host_bytes(g))
+            self.te.register(int(self._te_scratch.ctypes.data), self._te_scratch.nbytes)
+            self._board = SharedMemorySegment(board.segment)
+            self.te.register(_address(self._board), BOARD_BYTES)
+            self._layer_board = SharedMemorySegment(layer_board.segment)
+            self.te.register(_address(self._layer_board), self._layer_board.size)
+        return {"address": address, "regions": regions, "board": _address(self._board),
+                "layer_board": _address(self._layer_board)}
+
+    def _host_bytes(self, group: Any) -> int:
+        return int(group.swap_plan.host.capacities[0]) * group.swap_plan.host.stride
+
+    # ------------------------------------------------------------------ link / unlink
+    def link(self, local_wire: dict, peer_wire: Any, forced: str | None) -> str:
+        local = PeerDescriptor.from_wire(local_wire)
+        peer = PeerDescriptor.from_wire(peer_wire)
+        compatible_layouts(local, peer)
+        transport = choose_transport(local, peer, forced)
+        link = PeerLink(peer, transport)
+        if transport == "ipc":
+            # A decode instance only reads its peers; others may push into theirs.
+            link.ipc = IpcPeer(peer.transports["ipc"], self._kinds(), self._resources.num_layers, link.name,
+                               layer_board_bytes=SLOTS * (2 * self._tp + 1) * 8, writable=self._role != "decode")
+        else:
+            params = peer.transports["mooncake"]
+            link.te_address = str(params["address"])
+            kinds = self._kinds()
+            bases: dict[str, list[int]] = {}
+            capacity = None
+            for kind, layer, ptr, nbytes in params["regions"]:
+                if kind not in kinds or not 0 <= layer < self._resources.num_layers or nbytes % kinds[kind]:
+                    raise PeerError(f"{link.name}: Transfer Engine region {kind!r} layer {layer} does not fit this layout")
+                bases.setdefault(kind, [0] * self._resources.num_layers)[layer] = int(ptr)
+                capacity = nbytes // kinds[kind] if capacity is None else min(capacity, nbytes // kinds[kind])
+            if set(bases) != set(kinds) or any(0 in v for v in bases.values()):
+                raise PeerError(f"{link.name}: Transfer Engine regions do not cover every kind and layer")
+            link.te_bases = {k: np.asarray(v, dtype=np.int64) for k, v in bases.items()}
+            link.te_capacity = capacity or 0
+            link.te_board = int(params["board"])
+            link.te_layer_board = int(params["layer_board"])
+            if not self.te.is_open:
+                raise PeerError(f"{link.name}: this rank's Transfer Engine is not open (describe with mooncake first)")
+        with self._lock:
+            old = self._links.get(peer.instance_id)
+            self._links[peer.instance_id] = link
+        if old is not None:
+            self._retire(old)
+        self._log.info("linked to %s over %s", link.name, transport)
+        return transport
+
+    def unlink(self, instance_id: str) -> bool:
+        """Refuse new transfers over the link at once; its memory goes with its last transfer."""
+        with self._lock:
+            link = self._links.pop(instance_id, None)
+        if link is None:
+            return False
+        self._retire(link)
+        self._log.info("unlinked from %s", link.name)
+        return True
+
+    def _retire(self, link: PeerLink) -> None:
+        with self._lock:
+            link.unlinked = True
+            close = link.users == 0
+        if close:
+            link.close()
+
+    @contextmanager
+    def using(self, peer_id: str, what: str) -> Iterator[PeerLink]:
+        """The link to ``peer_id`` for one transfer: an unlink meanwhile closes its mappings only
+        once the last transfer using them has ended (a copy never reads unmapped memory)."""
+        with self._lock:
+            link = self._links.get(peer_id)
+            if link is None:
+                raise PeerError(f"not linked to instance {peer_id!r}: link it before {what}")
+            link.users += 1
+        try:
+            yield link
+        finally:
+            with self._lock:
+                link.users -= 1
+                close = link.unlinked and link.users == 0
+            if close:
+                link.close()
+
+    # ------------------------------------------------------------------ board words over the Transfer Engine
+    def read_word(self, link: PeerLink, remote: int, deadline: float) -> int:
+        with self._te_lock:
+            return self.te.read_word(link.name, link.te_address, self._te_scratch, remote, deadline)
+
+    def write_word(self, link: PeerLink, remote: int, value: int, deadline: float) -> None:
+        with self._te_lock:
+            self.te.write_word(link.name, link.te_address, self._te_scratch, remote, value, deadline)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def tp(self) -> int:
+        return self._tp
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:  # the CTM's pools are shut down: no transfer uses them any more
+            link.close()
+        self.te.close()
+        for segment in (self._board, self._layer_board):
+            if segment is not None:
+                segment.close()
+        self._board = self._layer_board = None
+
+
+def peer_command(peers: PeerLinks | None, command: str, args: dict, rank: int) -> Any:
+    """The engine's ``pd_*`` control commands, on this rank.  Each rank takes its own entry of the
+    per-rank lists the engine broadcasts."""
+    if peers is None:
+        raise RuntimeError("this rank is not serving yet")
+    if command == "pd_describe":
+        return peers.describe(args)
+    if command == "pd_link":
+        local, peer, forced = args.get("local"), args.get("peer"), args.get("transport")
+        if not (isinstance(local, list) and isinstance(peer, list) and len(local) > rank and len(peer) > rank):
+            raise ValueError("pd_link needs per-rank lists 'local' and 'peer'")
+        return peers.link(local[rank], peer[rank], forced)
+    if command == "pd_unlink":
+        peer_id = args.get("peer")
+        if type(peer_id) is not str:
+            raise ValueError(f"pd_unlink peer {peer_id!r:.40} must be an instance id")
+        return peers.unlink(peer_id)
+    raise ValueError(f"unknown control command {command!r}")
+
+
+def _address(segment: SharedMemorySegment) -> int:
+    return int(np.frombuffer(segment.buf, dtype=np.uint8).ctypes.data)

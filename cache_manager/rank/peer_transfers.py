@@ -1,0 +1,224 @@
+"""The transfers a CTM rank runs over its links to other engine instances (DESIGN §3.11).
+
+* **pull** (decode side, LLM-DataDist's ``pull_blocks``): read the exposed source blocks of every
+  cache kind (a layer range or all layers) into this rank's device blocks or swap slots, then read
+  the handle's word on the prefill engine's exposure board: the blocks count only if the handle is
+  still LIVE (and, on one host, the prefill engine still runs), so they hold exactly the request's
+  KV (``transfer_factory.peer.handles``).  Otherwise the task fails naming the peer.
+* **push** (prefill side, ``push_cache``): write each layer of the source blocks into the blocks the
+  decode instance reserved, as the engine says the layer is computed, and publish the layer on the
+  decode engine's layer board; on failure publish FAILED there, so the decode side knows this rank
+  writes no more.
+
+A Transfer Engine batch still running at the task's deadline cannot be cancelled: the rank answers
+0 blocks and keeps the blocks unreleased (``Outcome.still_running``) until the batch has ended.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ops.layout import CopyPlan, Side, describe_caches, device_side
+from ops.modes import HOST_TO_DEVICE
+from ops.platform import Platform
+from transfer_factory.peer.handles import TransferHandle, holds
+from transfer_factory.peer.te import Inflight, block_addresses, coalesce
+
+from cache_manager import _shm_atomic
+from cache_manager.cache_tasks import Outcome, PullTask, PushTask
+from cache_manager.layer_progress import FAILED, LayerPublisher, pack
+from cache_manager.rank.peer_links import PeerError, PeerLink, PeerLinks
+from cache_manager.rank.resources import RankResources
+
+
+class PeerTransfers:
+    def __init__(self, links: PeerLinks, resources: RankResources, platform: Platform, log: logging.Logger):
+        self._links = links
+        self._resources = resources
+        self._platform = platform
+        self._log = log
+        self._rank, self._tp = links.rank, links.tp
+        # Waits for Transfer Engine batches that outlived their task (they cannot be cancelled):
+        # their destination blocks are released only once they end.
+        self._late = ThreadPoolExecutor(2, thread_name_prefix="pd-late")
+        self._stopping = threading.Event()
+        self._device_sides: dict[int, tuple[Any, Side]] = {}  # id(group) -> (group, its device side)
+        self._sides_of: list | None = None  # the groups list those sides describe
+
+    def pull(self, task: PullTask, deadline: float) -> Outcome:
+        with self._links.using(task.peer, "pulling") as link:
+            return self._pull(link, task, deadline)
+
+    def _pull(self, link: PeerLink, task: PullTask, deadline: float) -> Outcome:
+        handle = TransferHandle.from_wire(task.handle)
+        if handle.instance_id != task.peer:
+            raise PeerError(f"handle of instance {handle.instance_id!r} used for a pull from {task.peer!r}")
+        layers = range(*(task.layers or (0, self._resources.num_layers)))
+        if layers.stop > self._resources.num_layers:
+            raise ValueError(f"pull layers [{layers.start}, {layers.stop}) past this model's {self._resources.num_layers}")
+        if not self._holds(link, handle, deadline):
+            raise PeerError(f"{link.name}: handle of request {handle.req_id!r} is no longer exposed")
+        moved = 0
+        sides = [(g.kind, self._local_side(g, task.placement)) for g in self._resources.groups]
+        if link.ipc is not None:
+            for kind, dst in sides:
+                moved += self._copy_ipc(link, kind, dst, task, layers)
+        else:
+            inflight, moved = self._copy_te(link, sides, task, layers, deadline)
+            if inflight is not None:  # bytes may still land in the destination: release it later
+                self._log.error("pull %s from %s: still running at its deadline; its blocks stay held until it ends",
+                                task.task_id, link.name)
+                return Outcome(value=[], still_running=self._late.submit(self._wait_late, inflight))
+        if not self._holds(link, handle, deadline):
+            raise PeerError(f"{link.name}: request {handle.req_id!r} was retracted or its engine is gone "
+                            "during the pull; no block counts")
+        return Outcome(value=list(task.dst_block_ids), bytes_moved=moved)
+
+    # ------------------------------------------------------------------ push
+    def push(self, task: PushTask, deadline: float, compute: LayerPublisher | None, stop: threading.Event) -> Outcome:
+        """Write each layer of the source blocks into the peer's reserved blocks, then publish the
+        layer on the peer's layer board; on any failure publish FAILED there, so the peer's
+        ``wait_for_layer`` fails at once and it knows this rank writes no more."""
+        with self._links.using(task.peer, "pushing") as link:
+            return self._push(link, task, deadline, compute, stop)
+
+    def _push(self, link: PeerLink, task: PushTask, deadline: float, compute: LayerPublisher | None,
+              stop: threading.Event) -> Outcome:
+        if link.ipc is not None and link.ipc.layer_board is None:
+            raise PeerError(f"{link.name}: linked read-only (this instance is a decode instance)")
+        layers = self._resources.num_layers
+        sides = [(g.kind, self._local_side(g, "device")) for g in self._resources.groups]
+        moved = 0
+        try:
+            self._publish(link, task, self._tp + self._rank, len(task.dst_block_ids), deadline)
+            # Layer by layer as the engine computes them; a push of computed blocks moves every
+            # layer in one copy per kind (one batch) and publishes once.
+            layerwise = compute is not None and compute.ref.await_compute
+            steps = [range(l, l + 1) for l in range(layers)] if layerwise else [range(layers)]
+            for step in steps:
+                if layerwise:
+                    compute.wait_computed(step.stop, deadline, stop)
+                if link.ipc is not None:
+                    for kind, src in sides:
+                        moved += self._write_ipc(link, kind, src, task, step)
+                else:
+                    written, inflight = self._write_te(link, sides, task, step, deadline)
+                    moved += written
+                    if inflight is not None:  # may still land: FAILED only once it ended
+                        self._log.error("push %s to %s: layers [%d, %d) still being written at its deadline",
+                                        task.task_id, link.name, step.start, step.stop)
+                        return Outcome(value=[], bytes_moved=moved, still_running=self._late.submit(
+                            self._fail_push_late, inflight, link, task))
+                self._publish(link, task, self._rank, step.stop, deadline)
+        except BaseException:
+            try:
+                self._publish(link, task, self._rank, FAILED, deadline + 1.0)
+            except Exception as exc:  # the peer is gone or stopped: it will not wait for this word
+                self._log.warning("push %s: could not tell %s it failed: %s", task.task_id, link.name, exc)
+            raise
+        return Outcome(value=list(task.dst_block_ids), bytes_moved=moved)
+
+    def _fail_push_late(self, inflight: Inflight, link: PeerLink, task: PushTask) -> None:
+        self._wait_late(inflight)
+        try:
+            self._publish(link, task, self._rank, FAILED, time.monotonic() + 5.0)
+        except Exception as exc:
+            self._log.warning("push %s: could not tell %s it failed: %s", task.task_id, link.name, exc)
+
+    def _publish(self, link: PeerLink, task: PushTask, column: int, value: int, deadline: float) -> None:
+        index = task.target.slot * (2 * self._tp + 1) + column
+        word = pack(task.target.seq, value)
+        if link.ipc is not None:
+            _shm_atomic.store_release(link.ipc.layer_board, index, word)
+        else:
+            self._links.write_word(link, link.te_layer_board + 8 * index, word, deadline)
+
+    def _write_ipc(self, link: PeerLink, kind: str, src: Side, task: PushTask, layers: range) -> int:
+        dst = link.ipc.side(kind)
+        cut = slice(layers.start, layers.stop)
+        plan = CopyPlan(Side(dst.name, dst.bases[cut], dst.capacities[cut], dst.stride),
+                        Side(src.name, src.bases[cut], src.capacities[cut], src.stride), src.stride, None)
+        self._platform.run_plan(plan, task.dst_block_ids, task.src_block_ids, HOST_TO_DEVICE)
+        return len(task.dst_block_ids) * src.stride * len(layers)
+
+    def _write_te(self, link: PeerLink, sides: list[tuple[str, Side]], task: PushTask, layers: range,
+                  deadline: float) -> tuple[int, Inflight | None]:
+        self._check_ids(task.dst_block_ids, link.te_capacity, "destination")
+        local_addrs: list[int] = []
+        remote_addrs: list[int] = []
+        lengths: list[int] = []
+        for kind, src in sides:
+            self._check_ids(task.src_block_ids, int(src.capacities.min()), "source")
+            runs = coalesce(block_addresses(src.bases, src.stride, task.src_block_ids, layers),
+                            block_addresses(link.te_bases[kind], src.stride, task.dst_block_ids, layers), src.stride)
+            local_addrs += runs[0]
+            remote_addrs += runs[1]
+            lengths += runs[2]
+        return sum(lengths), self._links.te.transfer(link.name, link.te_address, True, local_addrs, remote_addrs, lengths,
+                                               deadline)
+
+    def _local_side(self, group: Any, placement: str) -> Side:
+        if placement == "host":
+            if group.swap_plan is None:
+                raise ValueError("this CTM has no host swap space (--num_cpu_blocks 0) to pull into")
+            return group.swap_plan.host
+        # Described once per attached group (a re-attach makes new groups): describing every
+        # layer's tensor per task cost ~0.1 ms at 16 tensors, and grows with the layers.
+        if self._sides_of is not self._resources.groups:  # re-attached: drop the old groups' tensors
+            self._device_sides, self._sides_of = {}, self._resources.groups
+        cached = self._device_sides.get(id(group))
+        if cached is None or cached[0] is not group:
+            infos, block_bytes = describe_caches(group.tensors)
+            cached = self._device_sides[id(group)] = (group, device_side(infos, block_bytes))
+        return cached[1]
+
+    def _copy_ipc(self, link: PeerLink, kind: str, dst: Side, task: PullTask, layers: range) -> int:
+        src = link.ipc.side(kind)
+        cut = slice(layers.start, layers.stop)
+        plan = CopyPlan(Side(dst.name, dst.bases[cut], dst.capacities[cut], dst.stride),
+                        Side(src.name, src.bases[cut], src.capacities[cut], src.stride), dst.stride, None)
+        self._platform.run_plan(plan, task.dst_block_ids, task.src_block_ids, HOST_TO_DEVICE)
+        return len(task.dst_block_ids) * dst.stride * len(layers)
+
+    def _copy_te(self, link: PeerLink, sides: list[tuple[str, Side]], task: PullTask, layers: range,
+                 deadline: float) -> tuple[Inflight | None, int]:
+        """One Transfer Engine batch for every kind and layer, contiguous blocks coalesced."""
+        self._check_ids(task.src_block_ids, link.te_capacity, "source")
+        local_addrs: list[int] = []
+        remote_addrs: list[int] = []
+        lengths: list[int] = []
+        for kind, dst in sides:
+            self._check_ids(task.dst_block_ids, int(dst.capacities.min()), "destination")
+            runs = coalesce(block_addresses(dst.bases, dst.stride, task.dst_block_ids, layers),
+                            block_addresses(link.te_bases[kind], dst.stride, task.src_block_ids, layers), dst.stride)
+            local_addrs += runs[0]
+            remote_addrs += runs[1]
+            lengths += runs[2]
+        inflight = self._links.te.transfer(link.name, link.te_address, False, local_addrs, remote_addrs, lengths, deadline)
+        return inflight, sum(lengths)
+
+    def _wait_late(self, inflight: Inflight) -> None:
+        while not self._stopping.is_set() and not inflight.wait(1.0):
+            pass
+
+    @staticmethod
+    def _check_ids(ids: list[int], capacity: int, what: str) -> None:
+        bad = [i for i in ids if not 0 <= i < capacity]
+        if bad:
+            raise ValueError(f"{what} block ids {bad[:8]} outside [0, {capacity})")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{what} block ids list a block twice")
+
+    def _holds(self, link: PeerLink, handle: TransferHandle, deadline: float) -> bool:
+        if link.ipc is not None:
+            return holds(link.ipc.board_word(handle.slot), handle) and link.ipc.engine_alive()
+        board_word = self._links.read_word(link, link.te_board + 8 * handle.slot, deadline)
+        return holds(board_word, handle)
+
+    def close(self) -> None:
+        """Stop waiting for late batches (the process is stopping: they end with it)."""
+        self._stopping.set()
+        self._late.shutdown(wait=True)

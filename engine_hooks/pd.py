@@ -1,0 +1,175 @@
+"""The engine's side of prefill/decode disaggregation (DESIGN §3.11), in LLM-DataDist's terms.
+
+``PrefillDecode(service)`` gives a running ``CacheTransferService`` what a P/D router drives:
+
+- ``descriptor(offer)``: this instance's descriptor, one ``PeerDescriptor`` per rank (the ranks
+  build them: only a rank knows where its memory is mapped).  ``offer`` names the transports to
+  offer: ``ipc`` (same host, no port) by default; ``mooncake`` opens the ranks' Transfer Engines.
+- ``link(peer)`` / ``unlink(peer_id)`` (``link_clusters``): every rank checks the peer rank's
+  layout against its own, refusing with the first field that differs, and opens the transport
+  both offer (or ``transport=`` if forced).
+- prefill side: ``expose(req_id)`` → a ``TransferHandle`` (``CacheKey(cluster, req_id)``): the
+  engine keeps the request's blocks until ``retract(handle)`` (``remove_cache_key``), which it
+  calls once the puller confirmed or it gave up.  Retracting is always safe: a pull that read a
+  block after the retraction does not count it (``transfer_factory.peer.handles``).
+- decode side: ``pull_blocks(peer_id, handle, src_blocks, dst_blocks, placement, layers)`` →
+  a ``TaskFuture`` like every task: its result is the destination blocks loaded on every rank,
+  ``released`` once no byte may still land in them.
+
+Descriptors travel out of band (a router's own channel; the replay hands them over directly):
+they are plain data (``to_wire``), checked field by field when they come in.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from cache_manager.cache_data import CacheStatus
+from cache_manager.layer_progress import LayerwiseRef
+from ops.shm import SharedMemorySegment
+from transfer_factory.peer.handles import BOARD_BYTES, SLOTS, ExposureBoard, TransferHandle
+
+from .pd_push import PushTarget
+from .wire_tasks import block_ids
+
+logger = logging.getLogger(__name__)
+
+TRANSPORT_CHOICES = ("auto", "ipc", "mooncake")
+
+
+class PrefillDecode:
+    def __init__(self, service: Any, instance_id: str | None = None, control_timeout: float = 30.0):
+        if service.server is None:
+            raise RuntimeError("start the service before its prefill/decode side")
+        self._svc = service
+        self.instance_id = instance_id or f"{os.uname().nodename}-{service.instance}"
+        self._timeout = control_timeout
+        self._segment = SharedMemorySegment(f"ctm.{service.instance}.pd_handles", BOARD_BYTES, create=True)
+        self._words = np.frombuffer(self._segment.buf, dtype=np.int64, count=SLOTS)
+        self.board = ExposureBoard(self._words, self.instance_id)
+        self._links: dict[str, str] = {}  # peer instance id -> transport
+        self._closed = False
+
+    # ------------------------------------------------------------------ descriptors and links
+    def descriptor(self, offer: Sequence[str] = ("ipc",)) -> dict:
+        """This instance's descriptor: ``{"instance_id", "tp", "ranks": [one per rank]}``."""
+        bad = [t for t in offer if t not in TRANSPORT_CHOICES[1:]]
+        if bad:
+            raise ValueError(f"cannot offer transports {bad}; known: {TRANSPORT_CHOICES[1:]}")
+        layer_board = self._svc.layerwise.board.signal
+        ranks = self._control("pd_describe", instance_id=self.instance_id, offer=list(offer),
+                              board=[self._segment.name, 0, BOARD_BYTES], engine_pid=os.getpid(),
+                              layer_board=[layer_board.segment_name, 0, int(layer_board.value.nbytes)])
+        return {"instance_id": self.instance_id, "tp": self._svc.tp, "ranks": ranks}
+
+    def link(self, peer: dict, transport: str = "auto", offer: Sequence[str] | None = None) -> str:
+        """Link every rank to the peer's rank of the same index; returns the transport chosen.
+        Refused (``ValueError`` naming the field) when the layouts cannot exchange blocks."""
+        if transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"transport {transport!r} must be one of {TRANSPORT_CHOICES}")
+        if not isinstance(peer, dict) or not isinstance(peer.get("ranks"), list):
+            raise ValueError("a peer descriptor is a map with a list of 'ranks'")
+        if peer.get("tp") != self._svc.tp or len(peer["ranks"]) != self._svc.tp:
+            raise ValueError(f"cannot link: tp differs (here {self._svc.tp}, peer {peer.get('tp')!r}); "
+                             "prefill and decode must run the same TP size")
+        wanted = offer or (["ipc", "mooncake"] if transport == "mooncake" else ["ipc"])
+        local = self.descriptor(wanted)
+        answers = self._control("pd_link", local=local["ranks"], peer=peer["ranks"],
+                                transport=None if transport == "auto" else transport)
+        chosen = set(answers)
+        if len(chosen) != 1:
+            self._control("pd_unlink", peer=str(peer.get("instance_id")))
+            raise RuntimeError(f"ranks chose different transports {answers}: unlinked")
+        self._links[str(peer["instance_id"])] = answers[0]
+        return answers[0]
+
+    def unlink(self, peer_id: str) -> bool:
+        """Close every rank's link to ``peer_id``; pulls from it are refused from then on."""
+        self._links.pop(peer_id, None)
+        return any(self._control("pd_unlink", peer=peer_id))
+
+    def linked(self) -> dict[str, str]:
+        return dict(self._links)
+
+    # ------------------------------------------------------------------ prefill side
+    def expose(self, req_id: str) -> TransferHandle:
+        return self.board.expose(req_id)
+
+    def retract(self, handle: TransferHandle) -> bool:
+        return self.board.retract(handle)
+
+    # ------------------------------------------------------------------ decode side
+    def pull_blocks(self, peer_id: str, handle: TransferHandle | dict, src_blocks: Any, dst_blocks: Any,
+                    placement: str = "device", layers: tuple[int, int] | None = None,
+                    timeout: float | None = None):
+        """Read the peer's ``src_blocks`` exposed under ``handle`` into this instance's
+        ``dst_blocks`` (device blocks, or swap slots with ``placement="host"``)."""
+        if peer_id not in self._links:
+            raise ValueError(f"instance {peer_id!r} is not linked (linked: {sorted(self._links) or 'none'})")
+        if isinstance(handle, TransferHandle):
+            handle = handle.to_wire()
+        TransferHandle.from_wire(handle)
+        src, dst = block_ids(src_blocks, "src_blocks"), block_ids(dst_blocks, "dst_blocks")
+        if len(src) != len(dst):
+            raise ValueError(f"src_blocks has {len(src)} ids but dst_blocks has {len(dst)}")
+        task = {"event_type": int(CacheStatus.PEER_PULL), "peer": peer_id, "handle": handle,
+                "src_block_ids": src, "dst_block_ids": dst, "placement": placement}
+        if layers is not None:
+            task["layers"] = [int(layers[0]), int(layers[1])]
+        return self._svc.submit(task, timeout)
+
+    # ------------------------------------------------------------------ push
+    def receive_push(self, peer_id: str, dst_blocks: Any, timeout: float | None = None) -> PushTarget:
+        """Decode side: reserve ``dst_blocks`` for ``peer_id`` to push into; hand ``target.ticket``
+        to the prefill instance, then ``target.wait_for_layer(i)`` / ``target.result()``.  The
+        blocks may be reused only once ``target.released``."""
+        if peer_id not in self._links:
+            raise ValueError(f"instance {peer_id!r} is not linked (linked: {sorted(self._links) or 'none'})")
+        dst = block_ids(dst_blocks, "dst_blocks")
+        ref = self._svc.layerwise.acquire(await_compute=False)
+        if ref is None:
+            raise RuntimeError("every layer-board slot is held by unreleased tasks: no push can be received now")
+        timeout = self._svc.task_timeout if timeout is None else float(timeout)
+        return PushTarget(self._svc.layerwise, ref, self.instance_id, peer_id, dst, len(self._svc.spec.layer_blocks()),
+                          time.monotonic() + timeout)
+
+    def push_blocks(self, peer_id: str, ticket: dict, src_blocks: Any, layerwise: bool = True,
+                    timeout: float | None = None):
+        """Prefill side: write ``src_blocks`` into the blocks the decode instance reserved
+        (``ticket``), each layer as soon as ``future.layer_computed(n)`` says it is computed
+        (``layerwise=True``), or all at once."""
+        if peer_id not in self._links:
+            raise ValueError(f"instance {peer_id!r} is not linked (linked: {sorted(self._links) or 'none'})")
+        if not isinstance(ticket, dict) or ticket.get("instance_id") != peer_id:
+            raise ValueError(f"the push ticket is not from instance {peer_id!r}")
+        target = LayerwiseRef.from_wire({"slot": ticket.get("slot"), "seq": ticket.get("seq")})
+        src, dst = block_ids(src_blocks, "src_blocks"), block_ids(ticket.get("dst_block_ids", []), "dst_block_ids")
+        if len(src) != len(dst):
+            raise ValueError(f"src_blocks has {len(src)} ids but the ticket reserved {len(dst)}")
+        task = {"event_type": int(CacheStatus.PEER_PUSH), "peer": peer_id, "target": target.to_wire(),
+                "src_block_ids": src, "dst_block_ids": dst}
+        return self._svc._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=True)
+
+    # ------------------------------------------------------------------ lifetime
+    def _control(self, command: str, **args: Any) -> list:
+        return self._svc.control(command, timeout=self._timeout, **args).result(timeout=self._timeout + 5)
+
+    def close(self) -> None:
+        """Retract every handle and unlink every peer, then remove the board."""
+        if self._closed:
+            return
+        self._closed = True
+        self.board.retract_all()
+        for peer_id in list(self._links):
+            try:
+                self.unlink(peer_id)
+            except Exception as exc:  # the service may be stopping: its ranks drop their links anyway
+                logger.warning("unlinking %s at close failed: %s", peer_id, exc)
+        self._words = None
+        self.board.words = np.zeros(SLOTS, dtype=np.int64)
+        self._segment.close()
+        self._segment.unlink()

@@ -1,0 +1,105 @@
+"""The decode side of a push (DESIGN §3.11, LLM-DataDist's ``push_cache``): blocks this instance
+reserved for a prefill instance to write, and the slot of this engine's layer board where each of
+the prefill ranks publishes the layers it wrote.
+
+``wait_for_layer(i)`` returns once layer ``i`` landed on every rank and raises as soon as one
+rank published FAILED.  A rank's word is *final* once it says every layer or FAILED: that rank
+writes no more.  ``released`` holds once every rank's word is final; until then the reserved blocks
+must not be reused (a late write could still land), and the slot stays held.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from cache_manager.layer_progress import FAILED, LayerwiseRef, unpack, wait_until
+
+from .errors import CacheServiceError
+from .layerwise import LayerWaitTimeout, LayerwiseTasks
+
+logger = logging.getLogger(__name__)
+
+
+class PushFailed(CacheServiceError):
+    """A prefill rank gave up on the push; the message names the peer and the rank."""
+
+
+class PushTarget:
+    def __init__(self, tasks: LayerwiseTasks, ref: LayerwiseRef, instance_id: str, peer_id: str,
+                 dst_blocks: list[int], layers: int, deadline: float):
+        self._tasks, self.ref = tasks, ref
+        self.instance_id, self.peer_id = instance_id, peer_id
+        self.dst_blocks = dst_blocks
+        self.layers, self.deadline = layers, deadline
+        self._freed = False
+
+    @property
+    def ticket(self) -> dict:
+        """What the prefill instance needs to push here (plain data, for the router to carry)."""
+        return {"instance_id": self.instance_id, "slot": self.ref.slot, "seq": self.ref.seq,
+                "dst_block_ids": list(self.dst_blocks)}
+
+    def _words(self) -> list[int | None]:
+        board = self._tasks.board
+        return [unpack(board.landed(self.ref.slot, rank), self.ref.seq) for rank in range(board.tp)]
+
+    def _landed(self, layer: int) -> bool:
+        words = self._words()
+        for rank, value in enumerate(words):
+            if value == FAILED:
+                raise PushFailed(f"push from {self.peer_id}: its rank {rank} gave up before layer {layer} landed")
+        return all(value is not None and value > layer for value in words)
+
+    def wait_for_layer(self, layer: int, timeout: float | None = None) -> None:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.layers:
+            raise ValueError(f"layer {layer!r} must be an integer in [0, {self.layers})")
+        deadline = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
+        try:
+            wait_until(lambda: self._landed(layer), deadline,
+                       f"push from {self.peer_id}: layer {layer} had not landed on every rank in time")
+        except PushFailed:
+            raise
+        except TimeoutError as exc:
+            raise LayerWaitTimeout(str(exc)) from None
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """Every layer landed on every rank: the destination blocks."""
+        self.wait_for_layer(self.layers - 1, timeout)
+        return list(self.dst_blocks)
+
+    @property
+    def released(self) -> bool:
+        """No prefill rank will write into the reserved blocks any more."""
+        return all(value in (self.layers, FAILED) for value in self._words())
+
+    def wait_released(self, timeout: float) -> bool:
+        try:
+            wait_until(lambda: self.released, time.monotonic() + timeout, "push not released")
+        except TimeoutError:
+            return False
+        return True
+
+    def cancel(self) -> bool:
+        """Give the slot back for a ticket the prefill side never submitted (the router knows:
+        ``push_blocks`` raised, or the request was dropped first).  Refused (False) once any rank
+        has written a word: then only ``released`` says when no write can still land."""
+        if self._freed:
+            return True
+        if any(value is not None for value in self._words()):
+            return False
+        self._freed = True
+        self._tasks.free(self.ref)
+        return True
+
+    def close(self) -> bool:
+        """Give the board slot back once released; False (slot kept, logged) while a rank may
+        still write, so the slot never goes to a newer task under a late writer."""
+        if self._freed:
+            return True
+        if not self.released:
+            logger.error("push from %s into blocks %s not released: its slot %d stays held", self.peer_id,
+                         self.dst_blocks[:8], self.ref.slot)
+            return False
+        self._freed = True
+        self._tasks.free(self.ref)
+        return True

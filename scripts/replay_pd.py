@@ -1,0 +1,422 @@
+"""The replay's prefill/decode mode (``replay_trace.py --pd P:D``, DESIGN §3.11): P prefill and D
+decode instances, each a ``CacheTransferService`` with its own CTMs in this process, linked pairwise
+with ``engine_hooks.pd.PrefillDecode`` over ``--pd-transport``.
+
+One request:
+
+1. ``--route`` picks a prefill instance (round-robin, or ``session``: a conversation pinned to one),
+   and the decode instances take requests in turn.
+2. The prefill instance serves it exactly as the single-engine replay does
+   (``replay_workload.serve_request``: the tiered prefix cache serves the hits, every loaded block
+   is verified, the misses are "computed", commit, release), through ``PrefillInstance``, which
+   stands in for both the cache and the content there and adds the hand-off while the request's
+   blocks are still pinned:
+   - ``pull``: once computed, P exposes a handle, D takes destination blocks from its free list and
+     pulls every block, P retracts;
+   - ``push``: before computing, D reserves destination blocks (``receive_push``) and P submits a
+     layer-wise push of all the request's blocks, then computes the misses layer by layer, calling
+     ``layer_computed(i + 1)`` after each (hits are there already: with no miss, every layer at once);
+     D waits for each layer.  ``pd_layer_visible_ms``: from the last ``layer_computed`` to the last
+     layer visible on D (the median over requests).
+3. D checks every block on every rank, kind and layer against the content derived from (block hash,
+   layer, rank, K/V) (``replay_workload.Content``), "decodes" (``--pd-decode-ms``), frees its blocks.
+
+A transfer that fails counts in ``pd_failed_transfers`` and a wrong block in ``pd_corrupt_blocks``;
+either way the request is dropped on D, never decoded from wrong bytes.  Destination blocks a failed
+transfer may still write stay out of D's free list until the transfer is released.  Bytes are what
+the ranks report having moved (``RankResult.bytes_moved``); a transfer's time runs from its
+submission to its last layer on D (for a push it includes P computing the missing layers).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+
+import numpy as np
+
+from engine_hooks import CacheTransferService
+from engine_hooks.late_tasks import bytes_moved, released_of
+from engine_hooks.pd import TRANSPORT_CHOICES, PrefillDecode
+from engine_hooks.prefix_cache import CapacityError, TieredPrefixCache, TierStats
+from replay_instances import Router
+from replay_workload import KINDS, Content, Tally, serve_request, summarize
+
+log = logging.getLogger("replay.pd")
+
+MAX_INSTANCES = 8
+
+
+# ---------------------------------------------------------------------------- configuration
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefill/decode disaggregation (every instance in this process, linked pairwise)")
+    g.add_argument("--pd", metavar="P:D", help="P prefill and D decode instances (e.g. 1:1, 2:1); prefill "
+                   "instances are picked by --route, decode instances in turn")
+    g.add_argument("--pd-mode", choices=["pull", "push"], default="pull",
+                   help="decode pulls the request's blocks, or prefill pushes them layer by layer (default pull)")
+    g.add_argument("--pd-transport", choices=list(TRANSPORT_CHOICES), default="auto",
+                   help="ipc (same host, no port), mooncake (Transfer Engine over TCP), or auto (default)")
+    g.add_argument("--pd-decode-ms", type=float, default=0.0,
+                   help="simulated decode time per request, during which D holds its blocks (default 0)")
+
+
+def parse_pd(text: str) -> tuple[int, int]:
+    """``"P:D"`` -> (P, D), both in 1..MAX_INSTANCES; ``ValueError`` otherwise."""
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--pd {text!r} must be P:D, e.g. 1:1 or 2:1") from None
+    if not (1 <= p <= MAX_INSTANCES and 1 <= d <= MAX_INSTANCES):
+        raise ValueError(f"--pd {text!r}: each side needs 1 to {MAX_INSTANCES} instances")
+    return p, d
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.pd is None:
+        if args.pd_mode != "pull" or args.pd_transport != "auto" or args.pd_decode_ms:
+            parser.error("--pd-mode, --pd-transport and --pd-decode-ms need --pd P:D")
+        return
+    try:
+        parse_pd(args.pd)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for flag, value in (("--instances", args.instances > 1), ("--kill-instance-at", args.kill_instance_at),
+                        ("--metrics-port", args.metrics_port)):
+        if value:
+            parser.error(f"--pd does not combine with {flag}")
+    if args.pd_decode_ms < 0:
+        parser.error(f"--pd-decode-ms {args.pd_decode_ms} must not be negative")
+
+
+# ---------------------------------------------------------------------------- decode side
+class DecodeInstance:
+    """A decode instance: its service, its P/D side, and a free list of its device blocks, which
+    hold a request's blocks only while it decodes."""
+
+    def __init__(self, index: int, svc: CacheTransferService):
+        self.id = f"decode-{index}"
+        self.svc, self.side, self.content = svc, PrefillDecode(svc, self.id), Content(svc)
+        self.free: collections.deque[int] = collections.deque(range(svc.spec.num_blocks))
+        self.held: list[tuple[list[int], object]] = []  # blocks a failed transfer may still write
+
+    def allocate(self, n: int) -> list[int]:
+        for blocks, released in [h for h in self.held if h[1]()]:  # what failed transfers let go of
+            self.held.remove((blocks, released))
+            self.free.extend(blocks)
+        if len(self.free) < n:
+            raise CapacityError(f"{self.id}: {n} blocks wanted, {len(self.free)} free "
+                                f"({sum(len(b) for b, _ in self.held)} held by failed transfers)")
+        return [self.free.popleft() for _ in range(n)]
+
+    def give_back(self, blocks: list[int], released=None) -> None:
+        """Blocks back to the free list, or held until ``released()`` says nothing writes them."""
+        if released is None or released():
+            self.free.extend(blocks)
+        else:
+            self.held.append((blocks, released))
+
+
+# ---------------------------------------------------------------------------- figures
+@dataclasses.dataclass
+class PDStats:
+    requests: int = 0  # decoded: every block arrived bit-exact
+    blocks: int = 0  # arrived on a decode instance (bit-exact or not)
+    bytes: int = 0
+    corrupt: int = 0
+    failed: int = 0
+    transfer_ms: list = dataclasses.field(default_factory=list)
+    visible_ms: list = dataclasses.field(default_factory=list)
+    timeline: list = dataclasses.field(default_factory=list)  # (transfer ms or nan, bytes) per served request
+
+    def result(self) -> dict:
+        """The ``pd_*`` keys of the JSON line."""
+        lat = np.array(self.transfer_ms) if self.transfer_ms else np.zeros(1)
+        busy_s = sum(self.transfer_ms) / 1e3
+        vis = self.visible_ms
+        return {"pd_requests": self.requests, "pd_blocks": self.blocks, "pd_bytes": self.bytes,
+                "pd_gbps": self.bytes / busy_s / 1e9 if busy_s else 0.0,
+                "pd_transfer_p50_ms": float(np.percentile(lat, 50)),
+                "pd_transfer_p99_ms": float(np.percentile(lat, 99)),
+                "pd_layer_visible_ms": float(np.percentile(vis, 50)) if vis else None,
+                "pd_layer_visible_p99_ms": float(np.percentile(vis, 99)) if vis else None,
+                "pd_corrupt_blocks": self.corrupt, "pd_failed_transfers": self.failed}
+
+
+# ---------------------------------------------------------------------------- prefill side
+class Handoff:
+    """One request's way from a prefill instance to a decode instance.  Never raises: a failure is
+    counted and the request dropped on D."""
+
+    def __init__(self, p: "PrefillInstance", d: DecodeInstance, line: int, hashes: list[str], args, stats: PDStats):
+        self.p, self.d, self.line, self.hashes, self.args, self.stats = p, d, line, hashes, args, stats
+        self.lease = None
+        self.dst: list[int] = []
+        self.target = self.future = None
+        self.t0 = self.t_computed = 0.0
+        self.error: str | None = None
+        self.entry = (float("nan"), 0)
+
+    def _fail(self, what: str, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = f"{what}: {type(exc).__name__}: {exc}"
+
+    # ---- P computes the request's missing blocks (serve_request's content.write)
+    def compute(self, hashes: list[str], blocks: list[int]) -> None:
+        if self.args.pd_mode == "pull" or not self.lease.gpu_blocks:
+            self.p.content.write(hashes, blocks)
+            return
+        timeout = self.args.task_timeout
+        try:
+            self.dst = self.d.allocate(len(self.lease.gpu_blocks))
+            self.target = self.d.side.receive_push(self.p.id, self.dst, timeout=timeout)
+            self.t0 = time.perf_counter()
+            self.future = self.p.side.push_blocks(self.d.id, self.target.ticket, self.lease.gpu_blocks,
+                                                  layerwise=True, timeout=timeout)
+        except Exception as exc:
+            self._fail("starting the push", exc)
+        layers = self.target.layers if self.target is not None else self.args.num_layers
+        for layer in range(layers if blocks else 0):
+            for (rank, kind, i), view in self.p.content.views.items():
+                if i == layer:  # the replay's content of (hash, layer, rank, kind), one layer at a time
+                    view[blocks] = self.p.content._expected(hashes, rank, kind, layer)
+            self._computed(layer + 1)
+        if not blocks:
+            self._computed(layers)  # every block a hit: all its layers are there already
+        self.t_computed = time.perf_counter()
+
+    def _computed(self, count: int) -> None:
+        if self.future is not None and self.error is None:
+            try:
+                self.future.layer_computed(count)
+            except Exception as exc:
+                self._fail(f"layer_computed({count})", exc)
+
+    # ---- the blocks go to D while the lease still pins them (serve_request's cache.release)
+    def finish(self) -> None:
+        if not self.lease.gpu_blocks:
+            self.stats.timeline.append((0.0, 0))
+            return
+        try:
+            if self.args.pd_mode == "pull":
+                self._pull()
+            else:
+                self._land_push()
+        except Exception as exc:
+            self._fail("transfer", exc)
+        if self.error is None:
+            self._decode()
+        else:
+            self.stats.failed += 1
+            log.error("line %d: %s -> %s %s failed, request dropped: %s", self.line, self.p.id, self.d.id,
+                      self.args.pd_mode, self.error)
+            self._give_back_failed()
+        self.stats.timeline.append(self.entry)
+
+    def _pull(self) -> None:
+        timeout = self.args.task_timeout
+        self.dst = self.d.allocate(len(self.lease.gpu_blocks))
+        handle = self.p.side.expose(f"line-{self.line}")
+        try:
+            self.t0 = time.perf_counter()
+            self.future = self.d.side.pull_blocks(self.p.id, handle, self.lease.gpu_blocks, self.dst,
+                                                  timeout=timeout)
+            got = self.future.result(timeout=timeout + 10)
+            self._landed(time.perf_counter(), got)
+        finally:
+            self.p.side.retract(handle)
+
+    def _land_push(self) -> None:
+        if self.error is not None:
+            return
+        timeout = self.args.task_timeout
+        for layer in range(self.target.layers):
+            self.target.wait_for_layer(layer, timeout=timeout)
+        visible = time.perf_counter()
+        self.stats.visible_ms.append((visible - self.t_computed) * 1e3)
+        self.future.result(timeout=timeout)
+        self._landed(visible, self.target.result(timeout=timeout))
+
+    def _landed(self, t_end: float, got: list[int]) -> None:
+        if list(got) != self.dst:
+            raise RuntimeError(f"{len(got)} of {len(self.dst)} blocks landed on every rank")
+        ms, moved = (t_end - self.t0) * 1e3, bytes_moved(self.future)
+        self.stats.transfer_ms.append(ms)
+        self.stats.bytes += moved
+        self.entry = (ms, moved)
+
+    def _decode(self) -> None:
+        ok = self.d.content.verify(self.hashes, self.dst)
+        self.stats.blocks += len(self.dst)
+        bad = int((~ok).sum())
+        if bad:
+            self.stats.corrupt += bad
+            log.error("line %d: %d of %d blocks on %s have wrong bytes: request dropped", self.line, bad,
+                      len(self.dst), self.d.id)
+        else:
+            self.stats.requests += 1
+            if self.args.pd_decode_ms:
+                time.sleep(self.args.pd_decode_ms / 1e3)
+        if self.target is not None:
+            self.d.give_back(self.dst, self.target.close)  # False, slot kept, while a rank may still write
+        else:
+            self.d.give_back(self.dst, released_of(self.future).done)
+
+    def _give_back_failed(self) -> None:
+        if not self.dst:
+            return
+        if self.future is None:  # never submitted: nothing writes them (a reserved board slot stays held)
+            self.d.give_back(self.dst)
+        elif self.target is not None:
+            self.target.wait_released(self.args.task_timeout)
+            self.d.give_back(self.dst, self.target.close)
+        else:
+            self.d.give_back(self.dst, released_of(self.future).done)
+
+
+class PrefillInstance:
+    """A prefill instance.  ``serve_request`` sees it as both its prefix cache (``acquire``,
+    ``commit``, ``release``: the real ``TieredPrefixCache``'s) and its content (``verify``,
+    ``write``); the request's ``Handoff`` adds the transfer to ``write`` and ``release``."""
+
+    def __init__(self, index: int, svc: CacheTransferService, args):
+        self.id = f"prefill-{index}"
+        self.svc = svc
+        self.side = PrefillDecode(svc, self.id)
+        self.cache = TieredPrefixCache(svc, args.device_blocks, args.host_blocks, write_policy=args.write_policy,
+                                       write_threshold=args.write_threshold, use_storage=args.storage != "none",
+                                       task_timeout=args.task_timeout)
+        self.content = Content(svc)
+        self.handoff: Handoff | None = None
+
+    def acquire(self, hashes):
+        self.handoff.lease = self.cache.acquire(hashes)
+        return self.handoff.lease
+
+    def commit(self, lease) -> None:
+        self.cache.commit(lease)
+
+    def verify(self, hashes, blocks):
+        return self.content.verify(hashes, blocks)
+
+    def write(self, hashes, blocks) -> None:
+        self.handoff.compute(hashes, blocks)
+
+    def release(self, lease) -> None:
+        try:
+            self.handoff.finish()
+        finally:
+            self.cache.release(lease)
+
+
+# ---------------------------------------------------------------------------- run
+def link_all(prefills: list[PrefillInstance], decodes: list[DecodeInstance], transport: str) -> str:
+    """Link every P/D pair both ways (D pulls from P, P pushes into D); the transport chosen."""
+    offer = ["ipc", "mooncake"] if transport == "mooncake" else ["ipc"]
+    chosen = set()
+    for p in prefills:
+        for d in decodes:
+            chosen.add(d.side.link(p.side.descriptor(offer), transport=transport))
+            chosen.add(p.side.link(d.side.descriptor(offer), transport=transport))
+    return "/".join(sorted(chosen))
+
+
+def run(args: argparse.Namespace, spec, requests, block_hashes, source: str, max_model_len: int,
+        storage_options: dict, log_dir: str, progress, reaper=None) -> dict:
+    """Start the instances, link them, replay, stop them (their CTMs, links and boards go with them)."""
+    n_p, n_d = parse_pd(args.pd)
+    common = dict(tp=args.tp, model_id=f"replay/{source}", max_model_len=max_model_len,
+                  task_timeout=args.task_timeout, record_latencies=True)
+    with contextlib.ExitStack() as stack:
+        prefills, decodes = [], []
+        for role, n in (("prefill", n_p), ("decode", n_d)):
+            for i in range(n):
+                svc = CacheTransferService(
+                    spec, num_cpu_blocks=args.host_blocks if role == "prefill" else 0,
+                    storage_backend="none" if role == "decode" or args.storage == "none" else args.storage,
+                    storage_options=storage_options if role == "prefill" else {},
+                    log_dir=os.path.join(log_dir, f"{role}{i}"), extra_flags={"splitwise_role": role}, **common)
+                stack.enter_context(svc)
+                if reaper is not None:
+                    for pid in svc.pids().values():
+                        reaper.watch(pid)
+                inst = PrefillInstance(i, svc, args) if role == "prefill" else DecodeInstance(i, svc)
+                stack.callback(inst.side.close)  # before its service stops
+                (prefills if role == "prefill" else decodes).append(inst)
+        transport = link_all(prefills, decodes, args.pd_transport)
+        print(f"P/D {n_p}:{n_d} up, {args.pd_mode} over {transport}", flush=True)
+        result = _replay(args, prefills, decodes, requests, block_hashes, progress)
+        result.update(pd=f"{n_p}:{n_d}", pd_mode=args.pd_mode, pd_transport=transport)
+        return result
+
+
+def _replay(args, prefills: list[PrefillInstance], decodes: list[DecodeInstance], requests, block_hashes,
+            progress) -> dict:
+    tally = Tally(requests, block_hashes, args.kv_blocks_per_hash)
+    stats = PDStats()
+    route_p, route_d = Router(len(prefills), args.route), Router(len(decodes), "round-robin")
+    t0 = time.perf_counter()
+    for done, (req, hashes) in enumerate(zip(requests, block_hashes), start=1):
+        ceiling = tally.ceiling(hashes)
+        p, d = prefills[route_p.pick(req)], decodes[route_d.pick(req)]
+        p.handoff = Handoff(p, d, req.line, hashes, args, stats)
+        try:
+            served = serve_request(p, p, req.line, hashes, log)
+        except CapacityError as exc:
+            log.warning("request on line %d skipped: %s", req.line, exc)
+            tally.skipped += 1
+            continue
+        finally:
+            p.handoff = None
+        tally.add(req, served, ceiling)
+        progress.update(done, tally.hit_ratio())
+    for p in prefills:
+        if not p.cache.drain():
+            log.warning("%s: storage writes or late tasks still outstanding at the end", p.id)
+    elapsed = time.perf_counter() - t0
+    totals = collections.Counter()
+    for p in prefills:
+        totals.update(dataclasses.asdict(p.cache.stats))
+    cache_stats = {**dataclasses.asdict(TierStats()), **totals}
+    latencies = [x for p in prefills for x in p.svc.latencies_ms]
+    block_bytes = args.tp * len(KINDS) * args.num_layers * args.block_bytes
+    result = summarize(tally, cache_stats, latencies, sum(p.svc.busy_seconds() for p in prefills), block_bytes,
+                       elapsed, args, bounce_blocks=sum(p.cache.block_counts()["bounce"] for p in prefills),
+                       metrics_port=None)
+    result.update(stats.result())
+    result["_timeline"], result["_pd_timeline"] = tally.timeline, stats.timeline
+    return result
+
+
+# ---------------------------------------------------------------------------- report
+def summary_rows(r: dict) -> list[tuple[str, str]]:
+    gib = 2**30
+    return [("P/D", f"{r['pd']} ({r['pd_mode']} over {r['pd_transport']}): {r['pd_requests']} requests decoded, "
+                    f"{r['pd_blocks']} blocks, {r['pd_bytes'] / gib:.3f} GiB at {r['pd_gbps']:.2f} GB/s"),
+            ("P/D transfer", f"p50 {r['pd_transfer_p50_ms']:.2f} ms, p99 {r['pd_transfer_p99_ms']:.2f} ms"
+                             + (f"; last layer visible {r['pd_layer_visible_ms']:.2f} ms after computed (p50)"
+                                if r["pd_layer_visible_ms"] is not None else "")),
+            ("P/D checks", f"{r['pd_blocks'] - r['pd_corrupt_blocks']} blocks bit-exact on decode, "
+                           f"{r['pd_corrupt_blocks']} corrupt, {r['pd_failed_transfers']} failed transfers")]
+
+
+def plot_panel(ax, timeline: list) -> None:
+    """Per served request: the P/D transfer's time (dots, left, log scale) over its bytes (shaded, right)."""
+    x = np.arange(1, len(timeline) + 1)
+    ms = np.array([m for m, _ in timeline], dtype=float)
+    right = ax.twinx()
+    right.fill_between(x, np.array([b for _, b in timeline], dtype=float) / 2**20, step="mid", color="#b2df8a",
+                       alpha=0.6, label="bytes")
+    right.set_ylabel("P/D bytes (MiB)")
+    ax.set_zorder(right.get_zorder() + 1)  # the dots over the shading
+    ax.patch.set_visible(False)
+    ax.plot(x, ms, ".", color="#6a3d9a", markersize=2, label="transfer time")
+    if np.nanmax(ms, initial=0) > 0:
+        ax.set_yscale("log")
+    ax.set_ylabel("P/D transfer (ms)")
+    ax.set_xlabel("request")
+    handles = ax.get_lines() + right.collections[:1]
+    ax.legend(handles, [h.get_label() for h in handles], loc="upper left")

@@ -1,0 +1,114 @@
+"""An engine instance in a child process, for prefill/decode tests that kill or stop it for real.
+
+The child starts a ``CacheTransferService`` and its ``PrefillDecode`` side, fills its caches with
+seeded random bytes, and answers JSON commands on stdin, one per line: ``descriptor``, ``link``,
+``expose``, ``retract``, ``digest`` (SHA-256 of blocks per rank, kind and layer), ``quit``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import subprocess
+import sys
+import textwrap
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHILD = textwrap.dedent("""
+    import hashlib, json, sys
+    sys.path.insert(0, {repo!r})
+    from cache_manager.cache_spec import CacheSpec
+    from engine_hooks.pd import PrefillDecode
+    from transfer_factory.peer.handles import TransferHandle
+    from tests.service_helpers import fill_distinct, start_service, views
+    from tests.pd_helpers import digests
+    spec = CacheSpec(**{spec!r})
+    svc = start_service(spec, tp={tp}, num_cpu_blocks=8)
+    side = PrefillDecode(svc, {instance!r})
+    fill_distinct(svc, seed={seed})
+    def answer(value):
+        print(json.dumps(value), flush=True)
+    answer({{"pids": list(svc.pids().values())}})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        try:
+            if op == "descriptor":
+                answer(side.descriptor(cmd.get("offer", ["ipc"])))
+            elif op == "link":
+                answer(side.link(cmd["peer"], transport=cmd.get("transport", "auto")))
+            elif op == "expose":
+                answer(side.expose(cmd["req_id"]).to_wire())
+            elif op == "retract":
+                answer(side.retract(TransferHandle.from_wire(cmd["handle"])))
+            elif op == "digest":
+                answer(digests(views(svc), cmd["ids"]))
+            elif op == "quit":
+                break
+        except Exception as exc:
+            answer({{"error": f"{{type(exc).__name__}}: {{exc}}"}})
+    side.close()
+    svc.shutdown()
+""")
+
+
+def digests(views: dict, ids: list[int]) -> dict:
+    """"rank/kind/layer" -> SHA-256 of those blocks' bytes, in order."""
+    return {f"{r}/{k}/{l}": hashlib.sha256(v[list(ids)].tobytes()).hexdigest() for (r, k, l), v in views.items()}
+
+
+class PeerInstance:
+    """A child process running one engine instance; ``call`` sends a command and waits for its answer."""
+
+    def __init__(self, instance: str, spec: dict, tp: int = 2, seed: int = 1):
+        code = CHILD.format(repo=REPO, spec=spec, tp=tp, instance=instance, seed=seed)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, cwd=REPO)
+        self.instance = instance
+        self.pid = self.proc.pid
+        self.rank_pids = self._read(timeout=60)["pids"]
+
+    def _read(self, timeout: float) -> object:
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"instance {self.instance} did not answer within {timeout}s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"instance {self.instance} exited (rc {self.proc.poll()})")
+        value = json.loads(line)
+        if isinstance(value, dict) and "error" in value:
+            raise RuntimeError(value["error"])
+        return value
+
+    def call(self, op: str, timeout: float = 60.0, **args) -> object:
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+
+def local_digests(svc, ids: list[int]) -> dict:
+    from tests.service_helpers import views
+
+    return digests(views(svc), ids)
+

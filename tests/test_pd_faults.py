@@ -1,0 +1,96 @@
+"""Prefill/decode under faults caused for real (DESIGN §3.11, §4): the prefill instance is a child
+process killed or stopped mid-transfer; the decode instance is this test's service."""
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from cache_manager.cache_spec import CacheSpec
+from engine_hooks.errors import TaskFailedError, TaskTimeoutError
+from engine_hooks.pd import PrefillDecode
+from tests.pd_helpers import PeerInstance, local_digests
+from tests.service_helpers import fill_distinct, process_gone, start_service
+
+SPEC = dict(num_layers=4, num_blocks=32, kv_heads=2, block_size=4, head_dim=8)
+
+
+@pytest.fixture
+def decode():
+    svc = start_service(CacheSpec(**SPEC), num_cpu_blocks=8)
+    side = PrefillDecode(svc, "decode-0")
+    try:
+        yield svc, side
+    finally:
+        side.close()
+        svc.shutdown()
+
+
+@pytest.fixture
+def prefill():
+    peer = PeerInstance("prefill-0", SPEC, seed=51)
+    try:
+        yield peer
+    finally:
+        for pid in [peer.pid] + peer.rank_pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        peer.close()
+
+
+def link(decode_side, prefill, transport):
+    offer = ["ipc", "mooncake"] if transport == "mooncake" else ["ipc"]
+    prefill.call("link", peer=decode_side.descriptor(offer), transport=transport)
+    return decode_side.link(prefill.call("descriptor", offer=offer), transport=transport)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "mooncake"])
+def test_a_pull_from_a_killed_prefill_instance_fails_naming_it_and_decode_serves_on(decode, prefill, transport):
+    svc, d = decode
+    fill_distinct(svc, seed=52)
+    assert link(d, prefill, transport) == transport
+    handle = prefill.call("expose", req_id="r1")
+    assert d.pull_blocks("prefill-0", handle, [1, 2], [3, 4]).result(timeout=20) == [3, 4]
+    before = local_digests(svc, [5, 6])
+    os.kill(prefill.pid, signal.SIGKILL)  # the prefill engine; its CTMs follow it
+    prefill.proc.wait(10)
+    deadline = time.monotonic() + 15
+    while not all(process_gone(pid) for pid in prefill.rank_pids):
+        assert time.monotonic() < deadline, "the prefill instance's CTMs outlived their engine"
+        time.sleep(0.1)
+    # Linked before the kill: the decode ranks still map (ipc) or address (Transfer Engine) its memory.
+    with pytest.raises(TaskFailedError, match="prefill-0"):
+        d.pull_blocks("prefill-0", handle, [1, 2], [5, 6], timeout=10).result(timeout=20)
+    assert local_digests(svc, [5, 6]) == before  # no destination block reported loaded, none changed
+    assert svc.swap_to_cpu([1], [1]).result(timeout=20)  # decode serves on
+    assert svc.swap_to_gpu([7], [1]).result(timeout=20)
+    assert np.array_equal(*(list(local_digests(svc, [1]).values()), list(local_digests(svc, [7]).values())))
+    assert d.unlink("prefill-0")
+
+
+def test_a_transfer_engine_pull_from_a_stopped_prefill_fails_in_time_and_is_released_only_after(decode, prefill):
+    svc, d = decode
+    fill_distinct(svc, seed=53)
+    link(d, prefill, "mooncake")
+    handle = prefill.call("expose", req_id="r2")
+    for pid in prefill.rank_pids:
+        os.kill(pid, signal.SIGSTOP)  # their Transfer Engines stop answering
+    t0 = time.monotonic()
+    future = d.pull_blocks("prefill-0", handle, [1, 2, 3], [8, 9, 10], timeout=2.0)
+    with pytest.raises(TaskTimeoutError):
+        future.result(timeout=10)
+    assert time.monotonic() - t0 < 5.0
+    time.sleep(0.5)
+    assert not future.released.done()  # a batch may still land in blocks 8-10: the engine must not reuse them
+    for pid in prefill.rank_pids:
+        os.kill(pid, signal.SIGCONT)
+    future.released.result(timeout=40)
+    want = prefill.call("digest", ids=[1, 2, 3])
+    assert prefill.call("retract", handle=handle)
+    # served on: a fresh handle pulls bit-exact
+    handle = prefill.call("expose", req_id="r3")
+    assert d.pull_blocks("prefill-0", handle, [1, 2, 3], [8, 9, 10]).result(timeout=20) == [8, 9, 10]
+    assert local_digests(svc, [8, 9, 10]) == want

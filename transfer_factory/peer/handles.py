@@ -1,0 +1,111 @@
+"""The exposure board: which transfer handles of a prefill instance still hold their request's KV.
+
+A prefill engine exposes a request's blocks under a handle (LLM-DataDist's ``CacheKey(cluster,
+req_id)``) before a decode instance pulls them, and retracts it when the puller confirmed or it
+gives up.  The board is one shared-memory array of 64-bit words, one per slot, each
+``handle_id << 2 | state``, written by the engine with one aligned 8-byte store.  A puller reads its
+handle's word *after* its bytes arrived: if the word still names its handle as LIVE, every byte was
+read before the retraction, and the engine reuses a block only after it retracted the handle
+(``retract`` stores RETRACTED first).  So a block is counted only if all its bytes came from the
+source block while it still held the request's KV (DESIGN §3.11), whatever the prefill side did
+meanwhile: retract, reuse, crash.  The engine's pin is a matter of throughput, not of correctness.
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+SLOTS = 4096
+WORD_BYTES = 8
+BOARD_BYTES = SLOTS * WORD_BYTES
+FREE, LIVE, RETRACTED = 0, 1, 2
+MAX_HANDLE_ID = (1 << 61) - 1
+
+
+@dataclass(frozen=True)
+class TransferHandle:
+    """What a puller names: the prefill instance, the request, and the board slot and id."""
+
+    instance_id: str
+    req_id: str
+    slot: int
+    handle_id: int
+
+    def to_wire(self) -> dict:
+        return {"instance_id": self.instance_id, "req_id": self.req_id, "slot": self.slot, "handle_id": self.handle_id}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "TransferHandle":
+        if not isinstance(d, dict):
+            raise ValueError(f"a transfer handle must be a map, got {type(d).__name__}")
+        slot, handle_id = d.get("slot"), d.get("handle_id")
+        if type(slot) is not int or not 0 <= slot < SLOTS:
+            raise ValueError(f"handle slot {slot!r:.40} must be an integer in [0, {SLOTS})")
+        if type(handle_id) is not int or not 0 < handle_id <= MAX_HANDLE_ID:
+            raise ValueError(f"handle_id {handle_id!r:.40} must be an integer in [1, 2^61)")
+        for name in ("instance_id", "req_id"):
+            if type(d.get(name)) is not str or not 0 < len(d[name]) <= 256:
+                raise ValueError(f"handle {name} {d.get(name)!r:.40} must be a non-empty string")
+        return cls(d["instance_id"], d["req_id"], slot, handle_id)
+
+
+def word(handle_id: int, state: int) -> int:
+    return (handle_id << 2) | state
+
+
+def holds(board_word: int, handle: TransferHandle) -> bool:
+    """Whether a word read from the board says ``handle`` is still LIVE."""
+    return int(board_word) == word(handle.handle_id, LIVE)
+
+
+class ExposureBoard:
+    """The engine's side: hands out slots, publishes LIVE, retracts.  ``words`` is the board's
+    memory (a shared-memory array the engine created); the engine alone writes it."""
+
+    def __init__(self, words: np.ndarray, instance_id: str):
+        if words.dtype != np.int64 or words.shape != (SLOTS,):
+            raise ValueError(f"an exposure board is {SLOTS} int64 words, got {words.dtype} {words.shape}")
+        self.words = words
+        self.instance_id = instance_id
+        self._lock = threading.Lock()
+        self._next_id = secrets.randbelow(1 << 40) + 1  # ids of two runs of one engine never meet
+        self._free = list(range(SLOTS - 1, -1, -1))
+        self._live: dict[str, TransferHandle] = {}  # req_id -> handle
+
+    def expose(self, req_id: str) -> TransferHandle:
+        with self._lock:
+            if req_id in self._live:
+                raise ValueError(f"request {req_id!r} already has a live handle")
+            if not self._free:
+                raise RuntimeError(f"all {SLOTS} handle slots are live: retract handles that are done")
+            slot = self._free.pop()
+            handle = TransferHandle(self.instance_id, req_id, slot, self._next_id)
+            self._next_id = self._next_id % MAX_HANDLE_ID + 1
+            self.words[slot] = word(handle.handle_id, LIVE)
+            self._live[req_id] = handle
+            return handle
+
+    def retract(self, handle: TransferHandle) -> bool:
+        """Mark ``handle`` retracted; from now on no puller counts a block it reads under it, so the
+        engine may reuse the blocks at once.  False if it was not live."""
+        with self._lock:
+            if self._live.get(handle.req_id) != handle:
+                return False
+            self.words[handle.slot] = word(handle.handle_id, RETRACTED)
+            del self._live[handle.req_id]
+            self._free.insert(0, handle.slot)  # reused last: a late reader sees RETRACTED longest
+            return True
+
+    def live(self) -> list[TransferHandle]:
+        with self._lock:
+            return list(self._live.values())
+
+    def retract_all(self) -> int:
+        count = 0
+        for handle in self.live():
+            count += self.retract(handle)
+        return count

@@ -1,0 +1,207 @@
+"""The cross-host peer transport: the Mooncake Transfer Engine (``mooncake.engine.TransferEngine``).
+
+One endpoint per CTM rank, opened only when a peer on another host is linked (or the operator
+forces it): ``initialize`` with the rank's address and the P2P handshake (no metadata server),
+over TCP here and RDMA where there are NICs.  Its memory (the rank's caches, its swap space, its
+engine's exposure board) is registered once.  A transfer is a list of (local address, remote
+address, length) runs, contiguous blocks coalesced into one run, submitted with
+``batch_transfer_async_read``/``write``, one run per batch, at most ``MAX_SLICES_IN_FLIGHT`` at once,
+polled with ``transfer_check_status`` until all end or the task's deadline passes.  A run still
+running at the deadline cannot be cancelled: the caller gets it back (``Inflight``) and keeps its
+destination blocks unreleased until it ends.
+
+Its data plane has no authentication and (0.3.13) its RPC and TCP data ports listen on every
+interface whatever address ``initialize`` gets: whoever reaches them can read and write the
+registered memory.  So it stays closed on one host, its ports are logged when it opens, and the
+README says it belongs behind a firewall or on a private fabric (DESIGN §3.11).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+POLL_FIRST_S = 0.0002
+POLL_MAX_S = 0.005  # a transfer's completion is seen at most this late; no busy loop
+DONE, RUNNING, FAILED, TIMED_OUT = 1, 0, -1, -2
+
+
+class PeerTransferError(RuntimeError):
+    """A transfer to or from a peer failed; the message names the peer."""
+
+
+# Runs in flight per transfer, counted in the engine's 64 KiB slices: Mooncake 0.3.13's TCP
+# transport queues about 2048 slices per peer and fails the rest, and two transfers (a pull and a
+# push) may run at once.
+SLICE_BYTES = 64 << 10
+MAX_SLICES_IN_FLIGHT = 512
+
+
+def _slices(length: int) -> int:
+    return -(-length // SLICE_BYTES)
+
+
+@dataclass
+class Inflight:
+    """Batches still running past their deadline: ``wait(timeout)`` says whether all have ended."""
+
+    endpoint: "TransferEngineEndpoint"
+    batch_ids: list[int]
+
+    def wait(self, timeout: float) -> bool:
+        self.batch_ids = self.endpoint._poll_all(self.batch_ids, time.monotonic() + timeout)[0]
+        return not self.batch_ids
+
+
+def coalesce(local: Sequence[int], remote: Sequence[int], length: int) -> tuple[list[int], list[int], list[int]]:
+    """Runs of (local, remote, length) where consecutive blocks are adjacent on both sides."""
+    out_l: list[int] = []
+    out_r: list[int] = []
+    out_n: list[int] = []
+    for lo, ro in zip(local, remote):
+        if out_n and out_l[-1] + out_n[-1] == lo and out_r[-1] + out_n[-1] == ro:
+            out_n[-1] += length
+        else:
+            out_l.append(lo)
+            out_r.append(ro)
+            out_n.append(length)
+    return out_l, out_r, out_n
+
+
+def block_addresses(bases: np.ndarray, stride: int, ids: Sequence[int], layers: range) -> list[int]:
+    """Addresses of blocks ``ids`` of each layer of ``layers`` (layer-major, block order kept)."""
+    idx = np.asarray(ids, dtype=np.int64) * stride
+    return (bases[layers.start:layers.stop, None] + idx[None, :]).reshape(-1).tolist()
+
+
+class TransferEngineEndpoint:
+    def __init__(self, hostname: str, protocol: str, log: logging.Logger):
+        self.hostname = hostname
+        self.protocol = protocol
+        self._log = log
+        self._engine = None
+        self._lock = threading.Lock()
+        self.address = ""
+        self._registered: list[int] = []
+
+    @property
+    def is_open(self) -> bool:
+        return self._engine is not None
+
+    def open(self) -> str:
+        """Start the engine (once); returns the address peers use, ``host:rpc_port``."""
+        with self._lock:
+            if self._engine is None:
+                from mooncake.engine import TransferEngine  # the wheel is optional for same-host P/D
+
+                engine = TransferEngine()
+                rc = engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, "")
+                if rc != 0:
+                    raise PeerTransferError(f"the Mooncake Transfer Engine did not start on {self.hostname} "
+                                            f"({self.protocol}): return code {rc}")
+                self._engine = engine
+                self.address = f"{self.hostname}:{engine.get_rpc_port()}"
+                self._log.warning("Transfer Engine open at %s (%s): its RPC and data ports listen on every "
+                                  "interface and have no authentication; keep them on a private fabric",
+                                  self.address, self.protocol)
+            return self.address
+
+    def register(self, address: int, nbytes: int) -> None:
+        rc = self._engine.register_memory(int(address), int(nbytes))
+        if rc != 0:
+            raise PeerTransferError(f"Transfer Engine: registering {nbytes} bytes at {address:#x} failed ({rc})")
+        self._registered.append(int(address))
+
+    def transfer(self, peer: str, peer_address: str, write: bool, local: list[int], remote: list[int],
+                 lengths: list[int], deadline: float) -> Inflight | None:
+        """Move the runs; None once every one has landed, an ``Inflight`` if the deadline passed
+        with some still running.  Raises ``PeerTransferError`` naming ``peer`` when the engine
+        reports a failure, but only once none of the runs is still running.
+
+        Each run is its own batch: the binding's ``transfer_check_status`` reports only the first
+        task of a batch, so a batch of many runs looked done while most were still in flight."""
+        submit = self._engine.batch_transfer_async_write if write else self._engine.batch_transfer_async_read
+        pending: list[tuple[int, int]] = []  # (batch id, slices)
+        in_flight = 0
+        failure = ""
+        wait = POLL_FIRST_S
+        i, n = 0, len(lengths)
+        while True:
+            while not failure and i < n and (not pending or in_flight + _slices(lengths[i]) <= MAX_SLICES_IN_FLIGHT):
+                batch = submit(peer_address, [local[i]], [remote[i]], [lengths[i]])
+                if batch is None or batch < 0 or batch == 2**64 - 1:
+                    failure = f"the Transfer Engine refused a run ({batch})"
+                    break
+                pending.append((batch, _slices(lengths[i])))
+                in_flight += pending[-1][1]
+                i += 1
+            still, ended, status = self._poll_once(pending)
+            if status is not None and not failure:
+                failure = "transfer timed out" if status == TIMED_OUT else f"transfer failed (status {status})"
+            if ended:
+                pending = still
+                in_flight = sum(s for _, s in pending)
+                wait = POLL_FIRST_S
+            if not pending and (failure or i >= n):
+                break
+            if time.monotonic() >= deadline:
+                if pending:
+                    return Inflight(self, [b for b, _ in pending])
+                failure = failure or f"{n - i} of {n} runs not started by the deadline"
+                break
+            time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
+            wait = min(POLL_MAX_S, wait * 2)
+        if failure:
+            raise PeerTransferError(f"peer {peer} ({peer_address}): {failure}")
+        return None
+
+    def _poll_once(self, pending: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], bool, int | None]:
+        """(still running, whether any ended, the status of a failed one or None)."""
+        still: list[tuple[int, int]] = []
+        failed = None
+        for entry in pending:
+            status = self._engine.transfer_check_status(entry[0])
+            if status == RUNNING:
+                still.append(entry)
+            elif status != DONE and failed is None:
+                failed = status
+        return still, len(still) != len(pending), failed
+
+    def _poll_all(self, batch_ids: list[int], deadline: float) -> tuple[list[int], int | None]:
+        """Poll until every batch ended or ``deadline``; (those still running, a failure status)."""
+        pending = [(b, 0) for b in batch_ids]
+        failed = None
+        wait = POLL_FIRST_S
+        while True:
+            pending, _, status = self._poll_once(pending)
+            failed = failed if failed is not None else status
+            if not pending or time.monotonic() >= deadline:
+                return [b for b, _ in pending], failed
+            time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
+            wait = min(POLL_MAX_S, wait * 2)
+
+    def read_word(self, peer: str, peer_address: str, scratch: np.ndarray, remote: int, deadline: float) -> int:
+        """One 8-byte word of the peer's registered memory (its exposure board)."""
+        if self.transfer(peer, peer_address, False, [int(scratch.ctypes.data)], [remote], [8], deadline) is not None:
+            raise PeerTransferError(f"peer {peer} ({peer_address}): no answer for its exposure board in time")
+        return int(scratch.view(np.int64)[0])
+
+    def write_word(self, peer: str, peer_address: str, scratch: np.ndarray, remote: int, value: int,
+                   deadline: float) -> None:
+        """Store one 8-byte word into the peer's registered memory (its layer board)."""
+        scratch.view(np.int64)[0] = value
+        if self.transfer(peer, peer_address, True, [int(scratch.ctypes.data)], [remote], [8], deadline) is not None:
+            raise PeerTransferError(f"peer {peer} ({peer_address}): a layer-board word was not written in time")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._engine is None:
+                return
+            for address in self._registered:
+                self._engine.unregister_memory(address)
+            self._registered.clear()
+            self._engine = None  # the engine's threads and ports go with the object
