@@ -30,6 +30,7 @@ CHILD = textwrap.dedent("""
     fill_distinct(svc, seed={seed})
     def answer(value):
         print(json.dumps(value), flush=True)
+    targets = {{}}
     answer({{"pids": list(svc.pids().values())}})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -43,6 +44,12 @@ CHILD = textwrap.dedent("""
                 answer(side.expose(cmd["req_id"]).to_wire())
             elif op == "retract":
                 answer(side.retract(TransferHandle.from_wire(cmd["handle"])))
+            elif op == "receive_push":
+                targets[cmd["peer"]] = side.receive_push(cmd["peer"], cmd["dst"], timeout=cmd.get("timeout", 30))
+                answer(targets[cmd["peer"]].ticket)
+            elif op == "push_state":
+                target = targets[cmd["peer"]]
+                answer({{"released": target.released, "words": target._words()}})
             elif op == "digest":
                 answer(digests(views(svc), cmd["ids"]))
             elif op == "quit":

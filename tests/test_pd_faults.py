@@ -11,6 +11,7 @@ from cache_manager.cache_spec import CacheSpec
 from engine_hooks.errors import TaskFailedError, TaskTimeoutError
 from engine_hooks.pd import PrefillDecode
 from tests.pd_helpers import PeerInstance, local_digests
+from transfer_factory.peer.te import listening_ports
 from tests.service_helpers import fill_distinct, process_gone, start_service
 
 SPEC = dict(num_layers=4, num_blocks=32, kv_heads=2, block_size=4, head_dim=8)
@@ -52,6 +53,11 @@ def test_a_pull_from_a_killed_prefill_instance_fails_naming_it_and_decode_serves
     svc, d = decode
     fill_distinct(svc, seed=52)
     assert link(d, prefill, transport) == transport
+    ports = {pid: listening_ports(pid) for pid in list(svc.pids().values()) + prefill.rank_pids}
+    if transport == "ipc":  # the same-host path opens no port, on either side
+        assert ports == {pid: set() for pid in ports}, ports
+    else:  # every rank's Transfer Engine listens (RPC and data port), as it logged
+        assert all(len(p) >= 2 for p in ports.values()), ports
     handle = prefill.call("expose", req_id="r1")
     assert d.pull_blocks("prefill-0", handle, [1, 2], [3, 4]).result(timeout=20) == [3, 4]
     before = local_digests(svc, [5, 6])
@@ -94,3 +100,87 @@ def test_a_transfer_engine_pull_from_a_stopped_prefill_fails_in_time_and_is_rele
     handle = prefill.call("expose", req_id="r3")
     assert d.pull_blocks("prefill-0", handle, [1, 2, 3], [8, 9, 10]).result(timeout=20) == [8, 9, 10]
     assert local_digests(svc, [8, 9, 10]) == want
+
+
+@pytest.fixture
+def prefill_here():
+    svc = start_service(CacheSpec(**SPEC), num_cpu_blocks=8)
+    side = PrefillDecode(svc, "prefill-0")
+    try:
+        yield svc, side
+    finally:
+        side.close()
+        svc.shutdown()
+
+
+@pytest.fixture
+def decode_child():
+    peer = PeerInstance("decode-0", SPEC, seed=54)
+    try:
+        yield peer
+    finally:
+        for pid in [peer.pid] + peer.rank_pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        peer.close()
+
+
+def link_to_decode(prefill_side, decode, transport):
+    offer = ["ipc", "mooncake"] if transport == "mooncake" else ["ipc"]
+    decode.call("link", peer=prefill_side.descriptor(offer), transport=transport)
+    return prefill_side.link(decode.call("descriptor", offer=offer), transport=transport)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "mooncake"])
+def test_a_decode_instance_killed_mid_push_leaves_the_prefill_side_released_and_serving(prefill_here, decode_child,
+                                                                                        transport):
+    svc, p = prefill_here
+    fill_distinct(svc, seed=55)
+    assert link_to_decode(p, decode_child, transport) == transport
+    ticket = decode_child.call("receive_push", peer="prefill-0", dst=[5, 6, 7])
+    future = p.push_blocks("decode-0", ticket, [1, 2, 3], layerwise=True, timeout=10)
+    future.layer_computed(1)
+    time.sleep(0.3)  # layer 0 is on its way or there
+    os.kill(decode_child.pid, signal.SIGKILL)
+    decode_child.proc.wait(10)
+    deadline = time.monotonic() + 15
+    while not all(process_gone(pid) for pid in decode_child.rank_pids):
+        assert time.monotonic() < deadline, "the decode instance's CTMs outlived their engine"
+        time.sleep(0.1)
+    future.layer_computed(SPEC["num_layers"])
+    try:  # over ipc the writes land in memory nobody uses any more; over TCP the peer is gone
+        future.result(timeout=20)
+    except (TaskFailedError, TaskTimeoutError) as exc:
+        assert transport == "mooncake" and "decode-0" in str(exc), exc
+    future.released.result(timeout=20)  # the prefill side's source blocks are free again
+    assert svc.unreleased_tasks() == {}
+    before = local_digests(svc, [1, 2, 3])
+    assert svc.swap_to_cpu([1, 2, 3], [1, 2, 3]).result(timeout=20)  # and it serves on
+    assert svc.swap_to_gpu([9, 10, 11], [1, 2, 3]).result(timeout=20)
+    assert list(local_digests(svc, [9, 10, 11]).values()) == list(before.values())
+
+
+def test_a_push_to_a_stopped_decode_instance_fails_in_time_and_is_released_after_it_continues(prefill_here,
+                                                                                               decode_child):
+    svc, p = prefill_here
+    fill_distinct(svc, seed=56)
+    link_to_decode(p, decode_child, "mooncake")
+    ticket = decode_child.call("receive_push", peer="prefill-0", dst=[5, 6, 7], timeout=60)
+    for pid in decode_child.rank_pids:
+        os.kill(pid, signal.SIGSTOP)  # their Transfer Engines stop taking writes
+    t0 = time.monotonic()
+    future = p.push_blocks("decode-0", ticket, [1, 2, 3], layerwise=False, timeout=2.0)
+    with pytest.raises(TaskTimeoutError):
+        future.result(timeout=10)
+    assert time.monotonic() - t0 < 5.0
+    time.sleep(0.5)
+    assert not future.released.done()  # a write may still land: the source stays held
+    for pid in decode_child.rank_pids:
+        os.kill(pid, signal.SIGCONT)
+    future.released.result(timeout=40)
+    deadline = time.monotonic() + 20
+    while not decode_child.call("push_state", peer="prefill-0")["released"]:
+        assert time.monotonic() < deadline, "the decode side never learnt that no write can land"
+        time.sleep(0.2)

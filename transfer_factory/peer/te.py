@@ -18,6 +18,7 @@ README says it belongs behind a firewall or on a private fabric (DESIGN §3.11).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -57,6 +58,34 @@ class Inflight:
         return not self.batch_ids
 
 
+def listening_ports(pid: int | str = "self") -> set[int]:
+    """TCP ports process ``pid`` listens on (its sockets in /proc/<pid>/fd matched to the kernel's
+    tables); empty where /proc says nothing."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return set()
+    ports = set()
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def coalesce(local: Sequence[int], remote: Sequence[int], length: int) -> tuple[list[int], list[int], list[int]]:
     """Runs of (local, remote, length) where consecutive blocks are adjacent on both sides."""
     out_l: list[int] = []
@@ -86,6 +115,7 @@ class TransferEngineEndpoint:
         self._engine = None
         self._lock = threading.Lock()
         self.address = ""
+        self.ports: list[int] = []  # what it listens on, as the kernel says (for the log and tests)
         self._registered: list[int] = []
 
     @property
@@ -98,6 +128,7 @@ class TransferEngineEndpoint:
             if self._engine is None:
                 from mooncake.engine import TransferEngine  # the wheel is optional for same-host P/D
 
+                before = listening_ports()
                 engine = TransferEngine()
                 rc = engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, "")
                 if rc != 0:
@@ -105,9 +136,10 @@ class TransferEngineEndpoint:
                                             f"({self.protocol}): return code {rc}")
                 self._engine = engine
                 self.address = f"{self.hostname}:{engine.get_rpc_port()}"
-                self._log.warning("Transfer Engine open at %s (%s): its RPC and data ports listen on every "
-                                  "interface and have no authentication; keep them on a private fabric",
-                                  self.address, self.protocol)
+                self.ports = sorted(listening_ports() - before)
+                self._log.warning("Transfer Engine open at %s (%s), listening on ports %s: they accept "
+                                  "connections on every interface and have no authentication; keep them on "
+                                  "a private fabric", self.address, self.protocol, self.ports or "unknown")
             return self.address
 
     def register(self, address: int, nbytes: int) -> None:
