@@ -26,6 +26,7 @@ either way the request is dropped on D, never decoded from wrong bytes.  Destina
 transfer may still write stay out of D's free list until the transfer is released.  Bytes are what
 the ranks report having moved (``RankResult.bytes_moved``); a transfer's time runs from its
 submission to its last layer on D (for a push it includes P computing the missing layers).
+The decode instance's block allocator and those figures live in ``replay_pd_decode.py``.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from engine_hooks.late_tasks import bytes_moved, released_of
 from engine_hooks.pd import TRANSPORT_CHOICES, PrefillDecode
 from engine_hooks.prefix_cache import CapacityError, TieredPrefixCache, TierStats
 from replay_instances import Router
+from replay_pd_decode import DecodeInstance, PDStats
 from replay_workload import KINDS, Content, Tally, serve_request, summarize
 
 log = logging.getLogger("replay.pd")
@@ -90,60 +92,6 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--pd does not combine with {flag}")
     if args.pd_decode_ms < 0:
         parser.error(f"--pd-decode-ms {args.pd_decode_ms} must not be negative")
-
-
-# ---------------------------------------------------------------------------- decode side
-class DecodeInstance:
-    """A decode instance: its service, its P/D side, and a free list of its device blocks, which
-    hold a request's blocks only while it decodes."""
-
-    def __init__(self, index: int, svc: CacheTransferService):
-        self.id = f"decode-{index}"
-        self.svc, self.side, self.content = svc, PrefillDecode(svc, self.id), Content(svc)
-        self.free: collections.deque[int] = collections.deque(range(svc.spec.num_blocks))
-        self.held: list[tuple[list[int], object]] = []  # blocks a failed transfer may still write
-
-    def allocate(self, n: int) -> list[int]:
-        for blocks, released in [h for h in self.held if h[1]()]:  # what failed transfers let go of
-            self.held.remove((blocks, released))
-            self.free.extend(blocks)
-        if len(self.free) < n:
-            raise CapacityError(f"{self.id}: {n} blocks wanted, {len(self.free)} free "
-                                f"({sum(len(b) for b, _ in self.held)} held by failed transfers)")
-        return [self.free.popleft() for _ in range(n)]
-
-    def give_back(self, blocks: list[int], released=None) -> None:
-        """Blocks back to the free list, or held until ``released()`` says nothing writes them."""
-        if released is None or released():
-            self.free.extend(blocks)
-        else:
-            self.held.append((blocks, released))
-
-
-# ---------------------------------------------------------------------------- figures
-@dataclasses.dataclass
-class PDStats:
-    requests: int = 0  # decoded: every block arrived bit-exact
-    blocks: int = 0  # arrived on a decode instance (bit-exact or not)
-    bytes: int = 0
-    corrupt: int = 0
-    failed: int = 0
-    transfer_ms: list = dataclasses.field(default_factory=list)
-    visible_ms: list = dataclasses.field(default_factory=list)
-    timeline: list = dataclasses.field(default_factory=list)  # (transfer ms or nan, bytes) per served request
-
-    def result(self) -> dict:
-        """The ``pd_*`` keys of the JSON line."""
-        lat = np.array(self.transfer_ms) if self.transfer_ms else np.zeros(1)
-        busy_s = sum(self.transfer_ms) / 1e3
-        vis = self.visible_ms
-        return {"pd_requests": self.requests, "pd_blocks": self.blocks, "pd_bytes": self.bytes,
-                "pd_gbps": self.bytes / busy_s / 1e9 if busy_s else 0.0,
-                "pd_transfer_p50_ms": float(np.percentile(lat, 50)),
-                "pd_transfer_p99_ms": float(np.percentile(lat, 99)),
-                "pd_layer_visible_ms": float(np.percentile(vis, 50)) if vis else None,
-                "pd_layer_visible_p99_ms": float(np.percentile(vis, 99)) if vis else None,
-                "pd_corrupt_blocks": self.corrupt, "pd_failed_transfers": self.failed}
 
 
 # ---------------------------------------------------------------------------- prefill side

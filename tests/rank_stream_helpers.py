@@ -21,7 +21,7 @@ def wait_for(cond, timeout: float) -> bool:
 def drop_one_task_frame(server, rank: int) -> None:
     """The next task frame for ``rank`` leaves (its counter is spent) and is lost on the way, as
     frames queued on a zmq pipe are when the connection drops and reconnects."""
-    real = server._send_task
+    real = server._task_sender.send_task
     lost: list[bool] = []
 
     def lossy(session, payload):
@@ -31,7 +31,7 @@ def drop_one_task_frame(server, rank: int) -> None:
             return None
         return real(session, payload)
 
-    server._send_task = lossy
+    server._task_sender.send_task = lossy
 
 
 def drop_one_result_frame(server, rank: int) -> None:

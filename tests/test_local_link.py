@@ -204,7 +204,7 @@ def test_a_replayed_task_frame_on_the_local_link_never_runs(server, ranks):
     seen = record_frames(ranks[0].client._local)
     assert server.broadcast({"task_id": "a"}) == []
     assert wait_for(lambda: all(r.ids() == ["a"] for r in ranks) and len(seen) == 1)
-    with server._send_lock:  # the same bytes again, on the same link and on rank 1's
+    with server._task_sender.lock:  # the same bytes again, on the same link and on rank 1's
         server._reg.live[0].local.send(seen[0])
         server._reg.live[1].local.send(seen[0])
     assert wait_for(lambda: [r.client.dropped_frames for r in ranks] == [1, 1])

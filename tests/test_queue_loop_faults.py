@@ -83,14 +83,14 @@ def test_every_peer_facing_socket_bounds_what_it_receives(server):
     rank = Rank(0, 2, server.address)
     try:
         rank.client.send_result(result("r", 0))
-        sockets = [server._router, server._tasks, rank.client._sock, rank.client._task_sock, *rank.client._channels]
+        sockets = [server._router, server._task_sender.socket, rank.client._sock, rank.client._task_sock, *rank.client._channels]
         for sock in sockets:
             assert sock.getsockopt(zmq.RCVHWM) > 0
             assert 0 < sock.getsockopt(zmq.MAXMSGSIZE) <= wire.MAX_FRAME_BYTES
         # The engine takes what ranks send (results, hellos), not a task's 16 MiB (test_queue_flood.py).
         assert server._router.getsockopt(zmq.MAXMSGSIZE) == MAX_RESULT_FRAME_BYTES
-        assert server._tasks.getsockopt(zmq.MAXMSGSIZE) == MAX_HELLO_FRAME_BYTES
+        assert server._task_sender.socket.getsockopt(zmq.MAXMSGSIZE) == MAX_HELLO_FRAME_BYTES
         # A rank that stops reading fails its tasks once its pipe is full (EAGAIN), never grows the engine.
-        assert server._tasks.getsockopt(zmq.SNDHWM) == MAX_BACKLOG_FRAMES
+        assert server._task_sender.socket.getsockopt(zmq.SNDHWM) == MAX_BACKLOG_FRAMES
     finally:
         rank.close()

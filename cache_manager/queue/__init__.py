@@ -9,6 +9,8 @@ Layers, from the bytes up:
 - ``zmq_sockets`` / ``local_link`` / ``local_links``: the two transports (zmq ROUTER/DEALER for any
   host, a Unix socket for ranks on the engine's host) and the poller both loops wait in.
 - ``barriers``: rank barriers with timeouts that fail every rank alike.
+- ``task_port``: the sending side: the task port, the send lock and the sequence number that
+  order every rank's task stream.
 - ``server`` / ``client``: the two ends.
 """
 from cache_manager.queue.client import EngineCacheQueueClient

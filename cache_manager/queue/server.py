@@ -29,7 +29,6 @@ a client (``queue_client``, a DEALER socket).  Contracts:
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -43,13 +42,12 @@ from cache_manager.cache_tasks import RankResult
 from cache_manager.queue.checks import (DropLog, LoopErrors, Refused, barrier_fields, is_int, rank_result_from_body,
                            unsupported_result_fields)
 from cache_manager.queue.barriers import Barriers
-from cache_manager.queue.zmq_sockets import (MAX_HELLO_FRAME_BYTES, MAX_RESULT_FRAME_BYTES, NONCE_BYTES, NOT_READING,
-                                             POLL_MS, ROUTER_BYTES_PER_WAKE, ROUTER_FRAMES_PER_WAKE, EdgePoller,
-                                             RateLimitedLog, TransportCuts, Unreachable, Waker, peer_name, readable,
-                                             socket_options)
-from cache_manager.queue.local_link import MAX_BACKLOG_FRAMES
+from cache_manager.queue.zmq_sockets import (MAX_HELLO_FRAME_BYTES, MAX_RESULT_FRAME_BYTES, NONCE_BYTES, POLL_MS,
+                                             ROUTER_BYTES_PER_WAKE, ROUTER_FRAMES_PER_WAKE, EdgePoller, TransportCuts,
+                                             Unreachable, Waker, peer_name, readable, socket_options)
 from cache_manager.queue.local_links import LocalLinks
-from cache_manager.queue.session import CONTROL, DOWN, TASKS, UP, Registry, Session, stream
+from cache_manager.queue.session import CONTROL, DOWN, UP, Registry, Session, stream
+from cache_manager.queue.task_port import TaskSender, open_router_frame
 
 __all__ = ["EngineCacheQueueServer"]
 
@@ -92,28 +90,23 @@ class EngineCacheQueueServer:
             self._router.bind(f"tcp://{host}:{port}")
             self.port = port
         self.host = host
-        # Tasks go out on a second socket, owned by whichever thread holds _send_lock.
-        self._tasks = self._ctx.socket(zmq.ROUTER)
-        # Only one hello per rank comes in here.  What goes out waits at most MAX_BACKLOG_FRAMES per
-        # rank, as on a local link: a rank that stops reading makes sends fail (EAGAIN), not memory grow.
-        socket_options(self._tasks, rcvhwm=64, sndhwm=MAX_BACKLOG_FRAMES, max_frame=MAX_HELLO_FRAME_BYTES)
-        self._tasks.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.task_port = self._tasks.bind_to_random_port(f"tcp://{host}")
-        self._send_lock = threading.Lock()
-        self._waker = Waker(self._ctx)
         self._reg = Registry(num_ranks)
         self._reg.on_break = on_rank_broken
-        self._lock = threading.Lock()  # guards _reg: the I/O thread, pump() and forget_rank() share it
-        self._seq = itertools.count()
-        self._barriers = Barriers(num_ranks, lambda rank, body: self._send(self._live(rank), body))
+        self._lock = threading.Lock()  # guards _reg: the I/O thread, the task sender and forget_rank() share it
         self._drop = DropLog(logger)
-        self._not_reading = RateLimitedLog(logger, "tasks refused to ranks that do not read")
-        self._cuts = TransportCuts([self._router, self._tasks], logger)  # e.g. oversized frames: zmq logs none
         self._errors = LoopErrors(logger, "engine cache queue")
+        # Tasks go out on a second socket, the task port, which the sender owns with its send lock.
+        self._task_sender = TaskSender(self._ctx, host, num_ranks, secret, self._reg, self._lock, self._drop,
+                                       self._errors, logger)
+        self._waker = Waker(self._ctx)
+        self._barriers = Barriers(num_ranks, lambda rank, body: self._send(self._live(rank), body))
+        # Connections zmq cuts on either port (e.g. for an oversized frame): zmq logs none.
+        self._cuts = TransportCuts([self._router, self._task_sender.socket], logger)
         self._stop = threading.Event()
         self._poller = EdgePoller()  # the I/O thread's
         # Offered to every rank; one on another host cannot reach the path and takes the task port.
-        self._local = LocalLinks(secret, self._send_lock, self._lock, self._reg, self._drop, self._result,
+        # A local link's task stream advances under the sender's lock, as the task port's streams do.
+        self._local = LocalLinks(secret, self._task_sender.lock, self._lock, self._reg, self._drop, self._result,
                                  self._errors, self._waker.ring) if local_links else None
         self._thread = threading.Thread(target=self._run, name="engine-cache-queue", daemon=True)
         self._thread.start()
@@ -122,6 +115,11 @@ class EngineCacheQueueServer:
     @property
     def address(self) -> str:
         return f"tcp://{self.host}:{self.port}"
+
+    @property
+    def task_port(self) -> int:
+        """Where a rank on another host connects its task channel (``TaskSender``)."""
+        return self._task_sender.port
 
     @property
     def dropped_frames(self) -> int:
@@ -160,94 +158,14 @@ class EngineCacheQueueServer:
 
         Returns the ranks it could not reach (not registered, disconnected, or a rank whose
         backlog is full), each with its reason: the task is never silently lost on a rank."""
-        with self._send_lock:
-            with self._lock:
-                targets = self._reg.reachable()
-            if len(targets) < self.num_ranks:  # a rank may have said hello since: register it first
-                self._pump_locked()
-                with self._lock:
-                    targets = self._reg.reachable()
-            payload = wire.pack({"type": "task", "seq": next(self._seq), "task": task})
-            missed = Unreachable()
-            for rank in range(self.num_ranks):
-                why = self._send_task(targets.get(rank), payload)
-                if why is not None:
-                    missed.append(rank)
-                    missed.reasons[rank] = why
-            return missed
-
-    def _send_task(self, session: Session | None, payload: bytes) -> str | None:
-        """None once the task is on its way to ``session``'s rank, else why it is not."""
-        # Only a holder of _send_lock advances a task stream, so its counter needs no other lock.
-        if session is None:
-            return "is not connected to the queue"
-        frame = wire.seal(payload, self._secret, session.sid, stream(TASKS, DOWN), session.next_counter(TASKS))
-        link = session.local
-        if link is not None:
-            if not link.send(frame):
-                return self._broke(session, "is not connected: its local link closed") if link.broken else \
-                    self._refused(session.rank)  # not broken: its backlog is full
-            session.advance(TASKS)
-            return None
-        try:
-            self._tasks.send_multipart([session.task_identity, frame], zmq.NOBLOCK)
-        except zmq.Again:  # its pipe holds MAX_BACKLOG_FRAMES (SNDHWM): it does not read
-            return self._refused(session.rank)
-        except zmq.ZMQError:  # EHOSTUNREACH: disconnected (a reconnect drops what its old pipe held)
-            return self._broke(session, "is not connected to the queue: its task connection dropped")
-        session.advance(TASKS)
-        return None
-
-    def _broke(self, session: Session, why: str) -> str:
-        """A send found ``session``'s task channel gone: its stream is broken (``Registry.broke``).  Returns ``why``."""
-        with self._lock:
-            self._reg.broke(session, why)
-        return why
-
-    def _refused(self, rank: int) -> str:
-        self._not_reading(f"rank {rank} {NOT_READING}")
-        return NOT_READING
+        return self._task_sender.broadcast(task)
 
     def pump(self) -> None:
         """Register task connections that said hello (the supervisor calls this periodically), and
         break the streams whose lost frame is overdue (``Registry.overdue_gaps``)."""
-        with self._send_lock:
-            self._pump_locked()
+        self._task_sender.register_hellos()
         with self._lock:
             self._reg.overdue_gaps(time.monotonic())
-
-    def _pump_locked(self) -> None:
-        if self._tasks.closed:
-            return
-        for _ in range(ROUTER_FRAMES_PER_WAKE):  # hellos only; the caller may hold the send lock
-            try:
-                frames = self._tasks.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                self._task_port_frame(frames)
-            except Exception:  # the caller is the engine's supervisor: never let a frame kill it
-                self._errors()
-
-    def _task_port_frame(self, frames: list[bytes]) -> None:
-        identity, peer = frames[0], peer_name(frames[0])
-        env = self._open(frames, peer)
-        if env is None:
-            return
-        with self._lock:
-            if identity in self._reg.task_links:
-                self._drop("unexpected", "the task channel carries nothing upstream after its hello", peer)
-                return
-        body = self._drop.parsed(env, peer)
-        if body is None:
-            return
-        if body["type"] != "hello" or body.get("channel") != "tasks":
-            self._drop("unauthenticated", f"{body['type']!r} on the task port before a hello", peer)
-            return
-        with self._lock:
-            problem = self._reg.bind(identity, env, task_port=True)
-        if problem:
-            self._drop("refused", problem, peer)
 
     def forget_rank(self, rank: int) -> None:
         """The engine knows this rank's process is gone: stop sending to it, and let a new
@@ -262,9 +180,7 @@ class EngineCacheQueueServer:
         if self._thread.is_alive():
             logger.error("queue I/O thread did not stop within %.1fs", timeout)
             return
-        with self._send_lock:
-            self._cuts.close()
-            self._tasks.close(0)
+        self._task_sender.close(detach=self._cuts.close)  # the monitor lets go of the task port before it closes
         if self._local is not None:
             self._local.close_all()
         self._waker.close()
@@ -333,16 +249,6 @@ class EngineCacheQueueServer:
         session.advance(CONTROL)
         return True
 
-    def _open(self, frames: list[bytes], peer: str) -> wire.Envelope | None:
-        if len(frames) != 2:
-            self._drop("bad frame", f"{len(frames) - 1} frames, expected 1", peer)
-            return None
-        try:
-            return wire.open_frame(frames[1], self._secret)
-        except wire.BadFrame as exc:
-            self._drop("bad frame", str(exc), peer)
-            return None
-
     def _handle(self, frames: list[bytes]) -> None:
         identity, peer = frames[0], peer_name(frames[0])
         if len(frames[-1]) > MAX_HELLO_FRAME_BYTES:  # only a bound connection sends more than a hello
@@ -352,7 +258,7 @@ class EngineCacheQueueServer:
                 self._drop("oversized", f"{len(frames[-1])} bytes before a hello (at most {MAX_HELLO_FRAME_BYTES})",
                            peer)
                 return
-        env = self._open(frames, peer)
+        env = open_router_frame(frames, self._secret, self._drop, peer)
         if env is None:
             return
         with self._lock:
