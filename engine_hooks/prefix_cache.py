@@ -81,6 +81,7 @@ class TieredPrefixCache:
         self._writes = StorageWrites()
         self._quarantine = Quarantine()
         self.stats = TierStats()
+        self._seen_restarts = getattr(service, "rank_replacements", 0)
         self._policy = WritePolicy(write_policy, write_threshold, service=service, pool=self._pool,
                                    writes=self._writes, stats=self.stats, task_timeout=task_timeout,
                                    use_storage=use_storage, release_wait=self.release_wait, hold=self._hold,
@@ -228,6 +229,7 @@ class TieredPrefixCache:
     # ------------------------------------------------------------------ requests
     def acquire(self, hashes: Sequence[str]) -> Lease:
         """Find and load the request's cached prefix; every block of the lease is pinned."""
+        self._forget_host_tier_after_restarts()
         hashes = list(hashes)
         n = len(hashes)
         sources: list[str] = []
@@ -383,6 +385,18 @@ class TieredPrefixCache:
         self._pool.forget_all()
         self._host.clear()
         self._policy.forget_all()  # the storage namespace changed with the weights
+
+    def _forget_host_tier_after_restarts(self) -> None:
+        """A rank restarted since the last request (the service does that by itself): its swap
+        space is empty, so the host tier is forgotten here, on the engine's thread, rather than each
+        of its blocks failing one swap-in and being recomputed."""
+        restarts = getattr(self.svc, "rank_replacements", 0)
+        if restarts != self._seen_restarts:
+            self._seen_restarts = restarts
+            if self._host.cached_count():
+                logger.warning("a rank was restarted: forgetting the %d blocks of the host tier",
+                               self._host.cached_count())
+            self.drop_host_tier()
 
     def drop_host_tier(self) -> None:
         """Forget every host copy (after ``svc.restart_rank``: the new rank's swap space is empty;

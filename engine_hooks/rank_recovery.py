@@ -123,6 +123,8 @@ class RankRecovery:
         # report about a replaced process never downs its successor.
         self._rank_locks: dict[int, threading.RLock] = {}
         self._rank_locks_lock = threading.Lock()
+        self.replacements = 0  # rank processes replaced so far (automatically or by restart_rank)
+        self._count_lock = threading.Lock()
         self.host_slots = HostSlots(hooks.num_cpu_blocks)
         self.policy = policy or RestartPolicy()
         self.auto_restart = auto_restart
@@ -194,6 +196,8 @@ class RankRecovery:
             stopped = h.ranks.stop(rank, h.stop_grace)
             h.reset(rank)
             self.host_slots.rank_restarted(rank)  # the new process's swap space is empty
+            with self._count_lock:
+                self.replacements += 1  # a prefix cache compares this and forgets its host tier
             if old is not None:  # no answer comes from it; one that would not die still holds its blocks
                 h.tracker.rank_died(rank, f"(pid {old.pid}) is restarting", release=stopped)
             # wait until the old connection is forgotten before the new one says hello

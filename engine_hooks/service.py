@@ -318,6 +318,12 @@ class CacheTransferService:
         self.server.pump()  # registers task connections, drains anything else sent there
 
     @property
+    def rank_replacements(self) -> int:
+        """Rank processes replaced so far (automatic restarts and ``restart_rank``); each one
+        empties that rank's host swap space."""
+        return self.recovery.replacements
+
+    @property
     def supervisor_errors(self) -> int:
         """Iterations of the supervisor that raised and were survived."""
         return self._supervisor.errors

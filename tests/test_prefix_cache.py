@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine_hooks.errors import TaskTimeoutError
+from engine_hooks.errors import RankDiedError, TaskTimeoutError
 from engine_hooks.prefix_cache import CapacityError, TieredPrefixCache
 from tests.prefix_cache_helpers import (LATE_TIMEOUT, _AnsweredNotReleased, assert_accounted, block_bytes_all_ranks,
                                         file_service, fill, run, spy, stopped)
@@ -236,3 +236,28 @@ def test_a_read_answered_but_not_released_keeps_its_blocks_out_of_use():
     future.released.set_result(None)
     cache.reap()
     assert cache.quarantined() == (set(), set()) and cache.block_counts()["free"] == 2
+
+
+def test_after_a_rank_is_restarted_by_the_service_host_blocks_are_recomputed_not_failed(svc2):
+    cache = TieredPrefixCache(svc2, num_device_blocks=4, num_host_blocks=8, write_policy="none")
+    a = chain_hash_ids(["r0", "r1", "r2"])
+    run(cache, svc2, a, 31)
+    run(cache, svc2, chain_hash_ids(["s0", "s1", "s2", "s3"]), 32)  # pushes all of a out to host
+    assert all(cache.host_slot_of(h) is not None for h in a)
+    replaced = svc2.rank_replacements
+    os.kill(svc2.pids()[1], signal.SIGKILL)  # rank 1's swap space goes with it
+    deadline = time.monotonic() + 30
+    while True:
+        assert time.monotonic() < deadline, "the service did not restart rank 1"
+        if svc2.rank_replacements > replaced:
+            try:
+                svc2.control("ping").result(timeout=10)
+                break
+            except RankDiedError:  # restarted, not yet serving
+                pass
+        time.sleep(0.1)
+    failed = cache.stats.failed_loads
+    lease, _ = run(cache, svc2, a, 33)  # rank 1's host copies are gone: recomputed
+    assert lease.sources == ["miss"] * 3
+    assert cache.stats.failed_loads == failed  # no swap-in was tried and failed
+    assert all(cache.host_slot_of(h) is None for h in a)
