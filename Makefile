@@ -49,4 +49,4 @@ $(EXT): $(DEPS) setup.py $(wildcard ops/csrc/*.c) $(wildcard transfer_factory/cs
 	touch $@
 
 clean:
-	rm -rf build ops/_block_copy*.so transfer_factory/file/_records*.so cache_manager/queue/_wire_check*.so cache_manager/queue/_wire_seal*.so $(EXT)
+	rm -rf build ops/_block_copy*.so ops/_shm_atomic*.so transfer_factory/file/_records*.so cache_manager/queue/_wire_check*.so cache_manager/queue/_wire_seal*.so $(EXT)

@@ -36,10 +36,10 @@ wire_seal = Extension(
     extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )
 
-# Release stores and acquire loads of the layer board's shared words (``cache_manager.layer_progress``).
+# Release stores and acquire loads of words in shared memory (the layer board, the exposure board).
 shm_atomic = Extension(
-    "cache_manager._shm_atomic",
-    sources=["cache_manager/csrc/shm_atomic.c"],
+    "ops._shm_atomic",
+    sources=["ops/csrc/shm_atomic.c"],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )
 

@@ -4,7 +4,7 @@ A layer-wise task (DESIGN §3.8) names a *slot* of the board and a *sequence num
 drew for it.  Each word of the board is ``seq << 24 | value``, written with one aligned 8-byte store,
 so a reader never sees half of an update, and a word left by an earlier task in the same slot
 (another seq) reads as "nothing yet".  Every word is written with a release store and read with an
-acquire load (``cache_manager._shm_atomic``, C11 atomics): what a writer did before publishing (a
+acquire load (``ops._shm_atomic``, C11 atomics): what a writer did before publishing (a
 layer's bytes) is visible to a reader that sees the word, on aarch64 (Ascend hosts) as on x86, where
 plain stores and loads would happen to be enough.  Per slot there are:
 
@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cache_manager import _shm_atomic
+from ops import _shm_atomic
 from cache_manager.ipc_signal import IPCSignal
 
 LAYER_PROGRESS_SIGNAL = "layer_progress"

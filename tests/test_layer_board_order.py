@@ -1,5 +1,5 @@
 """The layer board's publication is a release store and its check an acquire load (C11 atomics in
-``cache_manager/csrc/shm_atomic.c``), so a reader that sees "layer l landed" also sees layer l's bytes.
+``ops/csrc/shm_atomic.c``), so a reader that sees "layer l landed" also sees layer l's bytes.
 
 On x86 (total store order) plain stores and loads already give that order, so the stress test below
 cannot fail there for ordering reasons; it guards the contract (publish only after the bytes, check
@@ -14,7 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from cache_manager import _shm_atomic, layer_progress
+from cache_manager import layer_progress
+from ops import _shm_atomic
 from cache_manager.layer_progress import LayerBoard, LayerPublisher, LayerwiseRef, pack, unpack
 from ops.shm import SharedMemorySegment
 

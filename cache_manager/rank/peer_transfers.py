@@ -23,11 +23,11 @@ from typing import Any
 
 from ops.layout import CopyPlan, Side, describe_caches, device_side
 from ops.modes import HOST_TO_DEVICE
+from ops import _shm_atomic
 from ops.platform import Platform
 from transfer_factory.peer.handles import TransferHandle, holds
 from transfer_factory.peer.te import Inflight, block_addresses, coalesce
 
-from cache_manager import _shm_atomic
 from cache_manager.cache_tasks import Outcome, PullTask, PushTask
 from cache_manager.layer_progress import FAILED, LayerPublisher, pack
 from cache_manager.rank.peer_links import PeerError, PeerLink, PeerLinks

@@ -3,7 +3,8 @@
 A prefill engine exposes a request's blocks under a handle (LLM-DataDist's ``CacheKey(cluster,
 req_id)``) before a decode instance pulls them, and retracts it when the puller confirmed or it
 gives up.  The board is one shared-memory array of 64-bit words, one per slot, each
-``handle_id << 2 | state``, written by the engine with one aligned 8-byte store.  A puller reads its
+``handle_id << 2 | state``, written by the engine with one release store (``ops._shm_atomic``, as
+the layer board) and read with an acquire load.  A puller reads its
 handle's word *after* its bytes arrived: if the word still names its handle as LIVE, every byte was
 read before the retraction, and the engine reuses a block only after it retracted the handle
 (``retract`` stores RETRACTED first).  So a block is counted only if all its bytes came from the
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from ops import _shm_atomic
 
 SLOTS = 4096
 WORD_BYTES = 8
@@ -85,7 +88,7 @@ class ExposureBoard:
             slot = self._free.pop()
             handle = TransferHandle(self.instance_id, req_id, slot, self._next_id)
             self._next_id = self._next_id % MAX_HANDLE_ID + 1
-            self.words[slot] = word(handle.handle_id, LIVE)
+            _shm_atomic.store_release(self.words, slot, word(handle.handle_id, LIVE))
             self._live[req_id] = handle
             return handle
 
@@ -95,7 +98,7 @@ class ExposureBoard:
         with self._lock:
             if self._live.get(handle.req_id) != handle:
                 return False
-            self.words[handle.slot] = word(handle.handle_id, RETRACTED)
+            _shm_atomic.store_release(self.words, handle.slot, word(handle.handle_id, RETRACTED))
             del self._live[handle.req_id]
             self._free.insert(0, handle.slot)  # reused last: a late reader sees RETRACTED longest
             return True

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ops import _shm_atomic
 from ops.layout import Side
 from ops.shm import shm_path
 
@@ -173,7 +174,7 @@ class IpcPeer:
     def board_word(self, slot: int) -> int:
         if not 0 <= slot < SLOTS:
             raise ValueError(f"handle slot {slot} outside the board")
-        return int(self._board[slot])  # one aligned 8-byte load
+        return _shm_atomic.load_acquire(self._board, slot)
 
     def engine_alive(self) -> bool:
         if self._pidfd < 0:
