@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ops.layout import CopyPlan, Side, describe_caches, device_side
+from ops.layout import CopyPlan, Side, describe_caches, device_side, layer_range
 from ops.modes import HOST_TO_DEVICE
 from ops import _shm_atomic
 from ops.platform import Platform
@@ -65,9 +65,10 @@ class PeerTransfers:
         sides = [(g.kind, self._local_side(g, task.placement)) for g in self._resources.groups]
         if link.ipc is not None:
             for kind, dst in sides:
-                moved += self._copy_ipc(link, kind, dst, task, layers)
+                moved += self._copy_ipc(dst, link.ipc.side(kind), task.dst_block_ids, task.src_block_ids, layers)
         else:
-            inflight, moved = self._copy_te(link, sides, task, layers, deadline)
+            moved, inflight = self._transfer_te(link, False, sides, task.dst_block_ids, task.src_block_ids, layers,
+                                                deadline)
             if inflight is not None:  # bytes may still land in the destination: release it later
                 self._log.error("pull %s from %s: still running at its deadline; its blocks stay held until it ends",
                                 task.task_id, link.name)
@@ -103,9 +104,11 @@ class PeerTransfers:
                     compute.wait_computed(step.stop, deadline, stop)
                 if link.ipc is not None:
                     for kind, src in sides:
-                        moved += self._write_ipc(link, kind, src, task, step)
+                        moved += self._copy_ipc(link.ipc.side(kind), src, task.dst_block_ids, task.src_block_ids,
+                                                step)
                 else:
-                    written, inflight = self._write_te(link, sides, task, step, deadline)
+                    written, inflight = self._transfer_te(link, True, sides, task.src_block_ids, task.dst_block_ids,
+                                                          step, deadline)
                     moved += written
                     if inflight is not None:  # may still land: FAILED only once it ended
                         self._log.error("push %s to %s: layers [%d, %d) still being written at its deadline",
@@ -136,30 +139,6 @@ class PeerTransfers:
         else:
             self._links.write_word(link, link.te_layer_board + 8 * index, word, deadline)
 
-    def _write_ipc(self, link: PeerLink, kind: str, src: Side, task: PushTask, layers: range) -> int:
-        dst = link.ipc.side(kind)
-        cut = slice(layers.start, layers.stop)
-        plan = CopyPlan(Side(dst.name, dst.bases[cut], dst.capacities[cut], dst.stride),
-                        Side(src.name, src.bases[cut], src.capacities[cut], src.stride), src.stride, None)
-        self._platform.run_plan(plan, task.dst_block_ids, task.src_block_ids, HOST_TO_DEVICE)
-        return len(task.dst_block_ids) * src.stride * len(layers)
-
-    def _write_te(self, link: PeerLink, sides: list[tuple[str, Side]], task: PushTask, layers: range,
-                  deadline: float) -> tuple[int, Inflight | None]:
-        self._check_ids(task.dst_block_ids, link.te_capacity, "destination")
-        local_addrs: list[int] = []
-        remote_addrs: list[int] = []
-        lengths: list[int] = []
-        for kind, src in sides:
-            self._check_ids(task.src_block_ids, int(src.capacities.min()), "source")
-            runs = coalesce(block_addresses(src.bases, src.stride, task.src_block_ids, layers),
-                            block_addresses(link.te_bases[kind], src.stride, task.dst_block_ids, layers), src.stride)
-            local_addrs += runs[0]
-            remote_addrs += runs[1]
-            lengths += runs[2]
-        return sum(lengths), self._links.te.transfer(link.name, link.te_address, True, local_addrs, remote_addrs, lengths,
-                                               deadline)
-
     def _local_side(self, group: Any, placement: str) -> Side:
         if placement == "host":
             if group.swap_plan is None:
@@ -175,30 +154,32 @@ class PeerTransfers:
             cached = self._device_sides[id(group)] = (group, device_side(infos, block_bytes))
         return cached[1]
 
-    def _copy_ipc(self, link: PeerLink, kind: str, dst: Side, task: PullTask, layers: range) -> int:
-        src = link.ipc.side(kind)
-        cut = slice(layers.start, layers.stop)
-        plan = CopyPlan(Side(dst.name, dst.bases[cut], dst.capacities[cut], dst.stride),
-                        Side(src.name, src.bases[cut], src.capacities[cut], src.stride), dst.stride, None)
-        self._platform.run_plan(plan, task.dst_block_ids, task.src_block_ids, HOST_TO_DEVICE)
-        return len(task.dst_block_ids) * dst.stride * len(layers)
+    def _copy_ipc(self, dst: Side, src: Side, dst_ids: list[int], src_ids: list[int], layers: range) -> int:
+        """Copy blocks of ``layers`` between this rank's memory and a mapped peer's, either way: the
+        block kernel checks both sides' ids against their capacities."""
+        plan = layer_range(CopyPlan(dst, src, dst.stride, None), layers.start, layers.stop)
+        self._platform.run_plan(plan, dst_ids, src_ids, HOST_TO_DEVICE)
+        return len(dst_ids) * dst.stride * len(layers)
 
-    def _copy_te(self, link: PeerLink, sides: list[tuple[str, Side]], task: PullTask, layers: range,
-                 deadline: float) -> tuple[Inflight | None, int]:
-        """One Transfer Engine batch for every kind and layer, contiguous blocks coalesced."""
-        self._check_ids(task.src_block_ids, link.te_capacity, "source")
+    def _transfer_te(self, link: PeerLink, write: bool, sides: list[tuple[str, Side]], local_ids: list[int],
+                     remote_ids: list[int], layers: range, deadline: float) -> tuple[int, Inflight | None]:
+        """One Transfer Engine transfer of every kind's ``layers``, contiguous blocks coalesced:
+        ``write`` pushes this rank's blocks into the peer's, else it pulls the peer's into ours.
+        Returns the bytes and, if the deadline passed first, what is still in flight."""
+        self._check_ids(remote_ids, link.te_capacity, "destination" if write else "source")
         local_addrs: list[int] = []
         remote_addrs: list[int] = []
         lengths: list[int] = []
-        for kind, dst in sides:
-            self._check_ids(task.dst_block_ids, int(dst.capacities.min()), "destination")
-            runs = coalesce(block_addresses(dst.bases, dst.stride, task.dst_block_ids, layers),
-                            block_addresses(link.te_bases[kind], dst.stride, task.src_block_ids, layers), dst.stride)
+        for kind, local in sides:
+            self._check_ids(local_ids, int(local.capacities.min()), "source" if write else "destination")
+            runs = coalesce(block_addresses(local.bases, local.stride, local_ids, layers),
+                            block_addresses(link.te_bases[kind], local.stride, remote_ids, layers), local.stride)
             local_addrs += runs[0]
             remote_addrs += runs[1]
             lengths += runs[2]
-        inflight = self._links.te.transfer(link.name, link.te_address, False, local_addrs, remote_addrs, lengths, deadline)
-        return inflight, sum(lengths)
+        inflight = self._links.te.transfer(link.name, link.te_address, write, local_addrs, remote_addrs, lengths,
+                                           deadline)
+        return sum(lengths), inflight
 
     def _wait_late(self, inflight: Inflight) -> None:
         while not self._stopping.is_set() and not inflight.wait(1.0):
