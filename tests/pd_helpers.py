@@ -1,4 +1,6 @@
-"""An engine instance in a child process, for prefill/decode tests that kill or stop it for real.
+"""Engine instances for the prefill/decode tests: one in this process (``local_instance``), two
+linked in this process (``instance_pair``), and one in a child process for tests that kill or stop
+it for real (``PeerInstance``, ``child_instance``).
 
 The child starts a ``CacheTransferService`` and its ``PrefillDecode`` side, fills its caches with
 seeded random bytes, and answers JSON commands on stdin, one per line: ``descriptor``, ``link``,
@@ -6,13 +8,16 @@ seeded random bytes, and answers JSON commands on stdin, one per line: ``descrip
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import textwrap
+from typing import Iterator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,3 +124,45 @@ def local_digests(svc, ids: list[int]) -> dict:
 
     return digests(views(svc), ids)
 
+
+@contextlib.contextmanager
+def local_instance(spec, instance: str, **service_args) -> Iterator[tuple]:
+    """(service, its PrefillDecode side) in this process; both closed afterwards."""
+    from engine_hooks.pd import PrefillDecode
+    from tests.service_helpers import start_service
+
+    svc = start_service(spec, **service_args)
+    try:
+        side = PrefillDecode(svc, instance)
+    except BaseException:
+        svc.shutdown()
+        raise
+    try:
+        yield svc, side
+    finally:
+        side.close()
+        svc.shutdown()
+
+
+@contextlib.contextmanager
+def instance_pair(spec, **service_args) -> Iterator[tuple]:
+    """(prefill service, decode service, their sides "prefill-0" and "decode-0"), not yet linked."""
+    with local_instance(spec, "prefill-0", **service_args) as (p_svc, p), \
+            local_instance(spec, "decode-0", **service_args) as (d_svc, d):
+        yield p_svc, d_svc, p, d
+
+
+@contextlib.contextmanager
+def child_instance(instance: str, spec: dict, seed: int) -> Iterator[PeerInstance]:
+    """A ``PeerInstance``; afterwards every process of it is continued (a test may have stopped
+    some) and the instance closed."""
+    peer = PeerInstance(instance, spec, seed=seed)
+    try:
+        yield peer
+    finally:
+        for pid in [peer.pid] + peer.rank_pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        peer.close()

@@ -9,37 +9,23 @@ import pytest
 
 from cache_manager.cache_spec import CacheSpec
 from engine_hooks.errors import TaskFailedError, TaskTimeoutError
-from engine_hooks.pd import PrefillDecode
-from tests.pd_helpers import PeerInstance, local_digests
+from tests.pd_helpers import child_instance, local_digests, local_instance
 from transfer_factory.peer.te import listening_ports
-from tests.service_helpers import fill_distinct, process_gone, start_service
+from tests.service_helpers import fill_distinct, process_gone
 
 SPEC = dict(num_layers=4, num_blocks=32, kv_heads=2, block_size=4, head_dim=8)
 
 
 @pytest.fixture
 def decode():
-    svc = start_service(CacheSpec(**SPEC), num_cpu_blocks=8)
-    side = PrefillDecode(svc, "decode-0")
-    try:
-        yield svc, side
-    finally:
-        side.close()
-        svc.shutdown()
+    with local_instance(CacheSpec(**SPEC), "decode-0", num_cpu_blocks=8) as instance:
+        yield instance
 
 
 @pytest.fixture
 def prefill():
-    peer = PeerInstance("prefill-0", SPEC, seed=51)
-    try:
+    with child_instance("prefill-0", SPEC, seed=51) as peer:
         yield peer
-    finally:
-        for pid in [peer.pid] + peer.rank_pids:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        peer.close()
 
 
 def link(decode_side, prefill, transport):
@@ -104,27 +90,14 @@ def test_a_transfer_engine_pull_from_a_stopped_prefill_fails_in_time_and_is_rele
 
 @pytest.fixture
 def prefill_here():
-    svc = start_service(CacheSpec(**SPEC), num_cpu_blocks=8)
-    side = PrefillDecode(svc, "prefill-0")
-    try:
-        yield svc, side
-    finally:
-        side.close()
-        svc.shutdown()
+    with local_instance(CacheSpec(**SPEC), "prefill-0", num_cpu_blocks=8) as instance:
+        yield instance
 
 
 @pytest.fixture
 def decode_child():
-    peer = PeerInstance("decode-0", SPEC, seed=54)
-    try:
+    with child_instance("decode-0", SPEC, seed=54) as peer:
         yield peer
-    finally:
-        for pid in [peer.pid] + peer.rank_pids:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        peer.close()
 
 
 def link_to_decode(prefill_side, decode, transport):

@@ -6,27 +6,16 @@ import pytest
 
 from cache_manager.cache_spec import CacheSpec
 from engine_hooks.errors import TaskFailedError
-from engine_hooks.pd import PrefillDecode
-from tests.service_helpers import fill_distinct, start_service, views
-
+from tests.pd_helpers import instance_pair
+from tests.service_helpers import block_bytes, fill_distinct
 
 SPEC = CacheSpec(num_layers=4, num_blocks=32, kv_heads=2, block_size=4, head_dim=8)
 
 
 @pytest.fixture(scope="module")
 def pair():
-    p_svc, d_svc = start_service(SPEC, num_cpu_blocks=8), start_service(SPEC, num_cpu_blocks=8)
-    p, d = PrefillDecode(p_svc, "prefill-0"), PrefillDecode(d_svc, "decode-0")
-    try:
-        yield p_svc, d_svc, p, d
-    finally:
-        for side, svc in ((d, d_svc), (p, p_svc)):
-            side.close()
-            svc.shutdown()
-
-
-def src_bytes(svc, ids):
-    return {k: v[list(ids)].copy() for k, v in views(svc).items()}
+    with instance_pair(SPEC, num_cpu_blocks=8) as instances:
+        yield instances
 
 
 @pytest.mark.parametrize("transport", ["ipc", "mooncake"])
@@ -38,14 +27,14 @@ def test_a_pull_copies_every_block_bit_exact_on_every_rank(pair, transport):
     assert p.link(d.descriptor(offer), transport=transport) == transport
     assert d.link(p.descriptor(offer), transport=transport) == transport
     src, dst = [3, 4, 5, 9], [10, 2, 3, 7]
-    want = src_bytes(p_svc, src)
-    before = src_bytes(d_svc, range(d_svc.spec.num_blocks))
+    want = block_bytes(p_svc, src)
+    before = block_bytes(d_svc, range(d_svc.spec.num_blocks))
     handle = p.expose("req-1")
     assert d.pull_blocks("prefill-0", handle, src, dst).result(timeout=20) == dst
-    got = src_bytes(d_svc, dst)
+    got = block_bytes(d_svc, dst)
     for key in want:
         assert np.array_equal(got[key], want[key]), f"{key} differs after the pull"
-    after = src_bytes(d_svc, range(d_svc.spec.num_blocks))
+    after = block_bytes(d_svc, range(d_svc.spec.num_blocks))
     untouched = [b for b in range(d_svc.spec.num_blocks) if b not in dst]
     for key in before:
         assert np.array_equal(after[key][untouched], before[key][untouched]), f"{key}: a block outside dst changed"
@@ -91,14 +80,14 @@ def test_a_pull_into_host_swap_space_then_swapped_in_is_bit_exact(pair):
     fill_distinct(p_svc, seed=43)
     d.link(p.descriptor(), transport="ipc")
     src, slots, dst = [1, 2, 6], [5, 6, 7], [20, 21, 22]
-    want = src_bytes(p_svc, src)
+    want = block_bytes(p_svc, src)
     handle = p.expose("req-host")
     try:
         assert d.pull_blocks("prefill-0", handle, src, slots, placement="host").result(timeout=20) == slots
     finally:
         p.retract(handle)
     d_svc.swap_to_gpu(dst, slots).result(timeout=20)
-    got = src_bytes(d_svc, dst)
+    got = block_bytes(d_svc, dst)
     for key in want:
         assert np.array_equal(got[key], want[key]), f"{key} differs after pull to host and swap-in"
 
@@ -109,13 +98,13 @@ def test_a_layer_range_pull_touches_only_those_layers(pair):
     fill_distinct(d_svc, seed=45)
     d.link(p.descriptor(), transport="ipc")
     src, dst = [8, 9], [11, 12]
-    want, before = src_bytes(p_svc, src), src_bytes(d_svc, dst)
+    want, before = block_bytes(p_svc, src), block_bytes(d_svc, dst)
     handle = p.expose("req-layers")
     try:
         d.pull_blocks("prefill-0", handle, src, dst, layers=(1, 3)).result(timeout=20)
     finally:
         p.retract(handle)
-    got = src_bytes(d_svc, dst)
+    got = block_bytes(d_svc, dst)
     for (rank, kind, layer), value in got.items():
         expect = want if 1 <= layer < 3 else before
         assert np.array_equal(value, expect[(rank, kind, layer)]), f"rank {rank} {kind} layer {layer}"
@@ -126,7 +115,7 @@ def test_unlinking_under_a_stream_of_pulls_fails_them_cleanly_and_never_crashes_
     fill_distinct(p_svc, seed=46)
     pids = d_svc.pids()
     src, dst = list(range(16)), list(range(16, 32))
-    want = src_bytes(p_svc, src)
+    want = block_bytes(p_svc, src)
     handle = p.expose("req-unlink")
     outcomes = {"ok": 0, "refused": 0}
     try:
@@ -138,7 +127,7 @@ def test_unlinking_under_a_stream_of_pulls_fails_them_cleanly_and_never_crashes_
                 try:
                     assert future.result(timeout=20) == dst
                     outcomes["ok"] += 1
-                    got = src_bytes(d_svc, dst)
+                    got = block_bytes(d_svc, dst)
                     assert all(np.array_equal(got[k], want[k]) for k in want)
                 except TaskFailedError as exc:
                     assert "not linked" in str(exc)

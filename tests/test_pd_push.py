@@ -6,26 +6,16 @@ import pytest
 
 from cache_manager.cache_spec import CacheSpec
 from engine_hooks.layerwise import LayerWaitTimeout
-from engine_hooks.pd import PrefillDecode
-from tests.service_helpers import fill_distinct, start_service, views
+from tests.pd_helpers import instance_pair
+from tests.service_helpers import block_bytes, fill_distinct
 
 SPEC = CacheSpec(num_layers=4, num_blocks=32, kv_heads=2, block_size=4, head_dim=8)
 
 
 @pytest.fixture(scope="module")
 def pair():
-    p_svc, d_svc = start_service(SPEC, num_cpu_blocks=8), start_service(SPEC, num_cpu_blocks=8)
-    p, d = PrefillDecode(p_svc, "prefill-0"), PrefillDecode(d_svc, "decode-0")
-    try:
-        yield p_svc, d_svc, p, d
-    finally:
-        for side, svc in ((d, d_svc), (p, p_svc)):
-            side.close()
-            svc.shutdown()
-
-
-def blocks(svc, ids):
-    return {k: v[list(ids)].copy() for k, v in views(svc).items()}
+    with instance_pair(SPEC, num_cpu_blocks=8) as instances:
+        yield instances
 
 
 def link_both(p, d, transport):
@@ -41,19 +31,19 @@ def test_a_layerwise_push_lands_layer_by_layer_bit_exact(pair, transport):
     fill_distinct(d_svc, seed=62)
     link_both(p, d, transport)
     src, dst = [2, 3, 4, 9], [12, 13, 14, 1]
-    want, before = blocks(p_svc, src), blocks(d_svc, dst)
+    want, before = block_bytes(p_svc, src), block_bytes(d_svc, dst)
     target = d.receive_push("prefill-0", dst, timeout=20)
     future = p.push_blocks("decode-0", target.ticket, src, layerwise=True, timeout=20)
     for layer in range(SPEC.num_layers):
         with pytest.raises(LayerWaitTimeout):
             target.wait_for_layer(layer, timeout=0.2)  # not computed yet: nothing may be reported
-        got = blocks(d_svc, dst)
+        got = block_bytes(d_svc, dst)
         for (rank, kind, l), value in got.items():
             if l >= layer:
                 assert np.array_equal(value, before[(rank, kind, l)]), f"layer {l} written before it was computed"
         future.layer_computed(layer + 1)
         target.wait_for_layer(layer, timeout=10)
-        got = blocks(d_svc, dst)
+        got = block_bytes(d_svc, dst)
         for (rank, kind, l), value in got.items():
             if l <= layer:
                 assert np.array_equal(value, want[(rank, kind, l)]), f"rank {rank} {kind} layer {l} after {layer}"

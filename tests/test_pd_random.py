@@ -4,17 +4,15 @@ blocks outside each destination left untouched (DESIGN §3.11)."""
 import numpy as np
 
 from cache_manager.cache_spec import CacheSpec
-from engine_hooks.pd import PrefillDecode
-from tests.service_helpers import fill_distinct, start_service, views
+from tests.pd_helpers import instance_pair
+from tests.service_helpers import fill_distinct, views
 
 SPEC = CacheSpec(num_layers=3, num_blocks=48, kv_heads=2, block_size=4, head_dim=8)
 OPS = 1000
 
 
 def test_a_thousand_random_pulls_and_pushes_are_bit_exact():
-    p_svc, d_svc = start_service(SPEC, num_cpu_blocks=8), start_service(SPEC, num_cpu_blocks=8)
-    p, d = PrefillDecode(p_svc, "prefill-0"), PrefillDecode(d_svc, "decode-0")
-    try:
+    with instance_pair(SPEC, num_cpu_blocks=8) as (p_svc, d_svc, p, d):
         fill_distinct(p_svc, seed=71)
         fill_distinct(d_svc, seed=72)
         p.link(d.descriptor(), transport="ipc")
@@ -46,7 +44,3 @@ def test_a_thousand_random_pulls_and_pushes_are_bit_exact():
                 assert np.array_equal(dv[k][dst], want[k]), f"op {i}: {k} differs"
                 assert np.array_equal(dv[k][others], before[k]), f"op {i}: {k} changed outside the destination"
         assert min(counts.values()) > 400, counts
-    finally:
-        for side, svc in ((d, d_svc), (p, p_svc)):
-            side.close()
-            svc.shutdown()

@@ -5,16 +5,14 @@ rest, and the failure released blocks still being written)."""
 import numpy as np
 
 from cache_manager.cache_spec import CacheSpec
-from engine_hooks.pd import PrefillDecode
-from tests.service_helpers import fill_distinct, start_service, views
+from tests.pd_helpers import instance_pair
+from tests.service_helpers import fill_distinct, views
 
 SPEC = CacheSpec(num_layers=4, num_blocks=2048, kv_heads=2, block_size=4, head_dim=8)
 
 
 def test_a_pull_of_thousands_of_runs_has_landed_when_it_answers():
-    p_svc, d_svc = start_service(SPEC, tp=1), start_service(SPEC, tp=1)
-    p, d = PrefillDecode(p_svc, "prefill-0"), PrefillDecode(d_svc, "decode-0")
-    try:
+    with instance_pair(SPEC, tp=1) as (p_svc, d_svc, p, d):
         fill_distinct(p_svc, seed=81)
         fill_distinct(d_svc, seed=82)
         d.link(p.descriptor(["ipc", "mooncake"]), transport="mooncake")
@@ -25,7 +23,3 @@ def test_a_pull_of_thousands_of_runs_has_landed_when_it_answers():
         for k, v in views(p_svc).items():
             assert np.array_equal(got[k], v[src]), f"{k}: a run had not landed when the pull answered"
         p.retract(handle)
-    finally:
-        for side, svc in ((d, d_svc), (p, p_svc)):
-            side.close()
-            svc.shutdown()
