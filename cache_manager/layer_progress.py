@@ -16,6 +16,10 @@ plain stores and loads would happen to be enough.  Per slot there are:
   a prefix).  Written before the first layer, and never changed afterwards.
 * ``computed``: written by the engine for a layer-wise *store*: how many leading layers the model has
   computed, so that the rank may copy them out while later layers are still being computed.
+* ``pushed[writer]``: for a push from another instance (DESIGN §3.11), how many leading layers prefill
+  rank ``writer`` has written into this instance's reserved blocks (0 once it started), or
+  ``FAILED``.  The writers are the *prefill* instance's ranks, whose TP size may differ from ours,
+  so they have their own ``PUSH_WRITERS`` columns.
 
 The engine (``engine_hooks.layerwise``) creates the board, hands out slots and frees a slot only once
 every rank has released the task, so no late rank writes into a slot another task uses.  It is a
@@ -39,11 +43,20 @@ VALUE_BITS = 24
 VALUE_MASK = (1 << VALUE_BITS) - 1
 FAILED = VALUE_MASK  # a landed word holding this value: the rank gave up on the task
 MAX_SEQ = (1 << (63 - VALUE_BITS)) - 1
+PUSH_WRITERS = 16  # the largest TP size of a prefill instance that pushes into this one
 
 
 def board_shape(tp: int) -> tuple[int, int]:
-    """Columns: ``landed`` per rank, ``blocks`` per rank, then ``computed``."""
-    return (SLOTS, 2 * tp + 1)
+    """Columns: ``landed`` per rank, ``blocks`` per rank, ``computed``, then ``pushed`` per writer."""
+    return (SLOTS, 2 * tp + 1 + PUSH_WRITERS)
+
+
+def pushed_index(tp: int, slot: int, writer: int) -> int:
+    """Where prefill rank ``writer`` publishes its push into ``slot`` of the board of an instance of
+    TP size ``tp`` (the word's index in the board's int64 array)."""
+    if not (0 <= slot < SLOTS and 0 <= writer < PUSH_WRITERS):
+        raise IndexError(f"push word (slot {slot}, writer {writer}) outside {SLOTS} x {PUSH_WRITERS}")
+    return slot * board_shape(tp)[1] + 2 * tp + 1 + writer
 
 
 def pack(seq: int, value: int) -> int:
@@ -113,6 +126,9 @@ class LayerBoard:
 
     def computed(self, slot: int) -> int:
         return self._load(self.words, self._at(slot, 2 * self.tp))
+
+    def pushed(self, slot: int, writer: int) -> int:
+        return self._load(self.words, pushed_index(self.tp, slot, writer))
 
     def set_landed(self, slot: int, rank: int, word: int) -> None:
         """Publish: a release store, so everything this thread wrote before (the layer's bytes) is

@@ -5,9 +5,11 @@
 - ``descriptor(offer)``: this instance's descriptor, one ``PeerDescriptor`` per rank (the ranks
   build them: only a rank knows where its memory is mapped).  ``offer`` names the transports to
   offer: ``ipc`` (same host, no port) by default; ``mooncake`` opens the ranks' Transfer Engines.
-- ``link(peer)`` / ``unlink(peer_id)`` (``link_clusters``): every rank checks the peer rank's
-  layout against its own, refusing with the first field that differs, and opens the transport
-  both offer (or ``transport=`` if forced).
+- ``link(peer)`` / ``unlink(peer_id)`` (``link_clusters``): every rank checks the peer ranks'
+  layouts against its own, refusing with the first field that differs, and opens the transport
+  both offer (or ``transport=`` if forced) to each peer rank it exchanges heads with: the rank of
+  the same index when both run one TP size, otherwise those holding its kv heads
+  (``transfer_factory.peer.heads``; MLA: one rank, the latent is replicated).
 - prefill side: ``expose(req_id)`` → a ``TransferHandle`` (``CacheKey(cluster, req_id)``): the
   engine keeps the request's blocks until ``retract(handle)`` (``remove_cache_key``), which it
   calls once the puller confirmed or it gave up.  Retracting is always safe: a pull that read a
@@ -32,6 +34,7 @@ from cache_manager.cache_data import CacheStatus
 from cache_manager.layer_progress import LayerwiseRef
 from ops.shm import SharedMemorySegment
 from transfer_factory.peer.handles import BOARD_BYTES, SLOTS, ExposureBoard, TransferHandle
+from transfer_factory.peer.heads import writers
 
 from .pd_push import PushTarget
 from .wire_tasks import block_ids
@@ -52,6 +55,7 @@ class PrefillDecode:
         self._words = np.frombuffer(self._segment.buf, dtype=np.int64, count=SLOTS)
         self.board = ExposureBoard(self._words, self.instance_id)
         self._links: dict[str, str] = {}  # peer instance id -> transport
+        self._peer_writers: dict[str, list[int]] = {}  # peer instance id -> its ranks that push into us
         self._closed = False
 
     # ------------------------------------------------------------------ descriptors and links
@@ -67,15 +71,14 @@ class PrefillDecode:
         return {"instance_id": self.instance_id, "tp": self._svc.tp, "ranks": ranks}
 
     def link(self, peer: dict, transport: str = "auto", offer: Sequence[str] | None = None) -> str:
-        """Link every rank to the peer's rank of the same index; returns the transport chosen.
-        Refused (``ValueError`` naming the field) when the layouts cannot exchange blocks."""
+        """Link every rank to the peer ranks it exchanges kv heads with; returns the transport
+        chosen.  Refused (``ValueError`` naming the field) when the layouts cannot exchange blocks."""
         if transport not in TRANSPORT_CHOICES:
             raise ValueError(f"transport {transport!r} must be one of {TRANSPORT_CHOICES}")
-        if not isinstance(peer, dict) or not isinstance(peer.get("ranks"), list):
-            raise ValueError("a peer descriptor is a map with a list of 'ranks'")
-        if peer.get("tp") != self._svc.tp or len(peer["ranks"]) != self._svc.tp:
-            raise ValueError(f"cannot link: tp differs (here {self._svc.tp}, peer {peer.get('tp')!r}); "
-                             "prefill and decode must run the same TP size")
+        if not isinstance(peer, dict) or not isinstance(peer.get("ranks"), list) or not peer["ranks"]:
+            raise ValueError("a peer descriptor is a map with a non-empty list of 'ranks'")
+        if peer.get("tp") != len(peer["ranks"]):
+            raise ValueError(f"peer descriptor tp {peer.get('tp')!r} but {len(peer['ranks'])} ranks")
         wanted = offer or (["ipc", "mooncake"] if transport == "mooncake" else ["ipc"])
         local = self.descriptor(wanted)
         answers = self._control("pd_link", local=local["ranks"], peer=peer["ranks"],
@@ -84,12 +87,17 @@ class PrefillDecode:
         if len(chosen) != 1:
             self._control("pd_unlink", peer=str(peer.get("instance_id")))
             raise RuntimeError(f"ranks chose different transports {answers}: unlinked")
+        layout = peer["ranks"][0]["layout"]  # checked field by field by every rank
+        spec = self._svc.spec
+        self._peer_writers[str(peer["instance_id"])] = writers(self._svc.tp, spec.kv_heads, peer["tp"],
+                                                               layout["kv_heads"], spec.mla)
         self._links[str(peer["instance_id"])] = answers[0]
         return answers[0]
 
     def unlink(self, peer_id: str) -> bool:
         """Close every rank's link to ``peer_id``; pulls from it are refused from then on."""
         self._links.pop(peer_id, None)
+        self._peer_writers.pop(peer_id, None)
         return any(self._control("pd_unlink", peer=peer_id))
 
     def linked(self) -> dict[str, str]:
@@ -135,7 +143,7 @@ class PrefillDecode:
             raise RuntimeError("every layer-board slot is held by unreleased tasks: no push can be received now")
         timeout = self._svc.task_timeout if timeout is None else float(timeout)
         return PushTarget(self._svc.layerwise, ref, self.instance_id, peer_id, dst, len(self._svc.spec.layer_blocks()),
-                          time.monotonic() + timeout)
+                          time.monotonic() + timeout, self._peer_writers[peer_id])
 
     def push_blocks(self, peer_id: str, ticket: dict, src_blocks: Any, layerwise: bool = True,
                     timeout: float | None = None):

@@ -1,11 +1,13 @@
 """The decode side of a push (DESIGN §3.11, LLM-DataDist's ``push_cache``): blocks this instance
 reserved for a prefill instance to write, and the slot of this engine's layer board where each of
-the prefill ranks publishes the layers it wrote.
+the prefill ranks that write here (``writers``: every prefill rank, or with MLA and a smaller decode
+TP only those some decode rank reads from) publishes the layers it wrote, in its ``pushed`` column.
 
-``wait_for_layer(i)`` returns once layer ``i`` landed on every rank and raises as soon as one
-rank published FAILED.  A rank's word is *final* once it says every layer or FAILED: that rank
-writes no more.  ``released`` holds once every rank's word is final; until then the reserved blocks
-must not be reused (a late write could still land), and the slot stays held.
+``wait_for_layer(i)`` returns once every writer wrote layer ``i`` (so every decode rank holds all of
+its heads of it) and raises as soon as one writer published FAILED.  A writer's word is *final*
+once it says every layer or FAILED: that rank writes no more.  ``released`` holds once every
+writer's word is final; until then the reserved blocks must not be reused (a late write could
+still land), and the slot stays held.
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ class PushFailed(CacheServiceError):
 
 class PushTarget:
     def __init__(self, tasks: LayerwiseTasks, ref: LayerwiseRef, instance_id: str, peer_id: str,
-                 dst_blocks: list[int], layers: int, deadline: float):
+                 dst_blocks: list[int], layers: int, deadline: float, writers: list[int]):
         self._tasks, self.ref = tasks, ref
+        self.writers = list(writers)
         self.instance_id, self.peer_id = instance_id, peer_id
         self.dst_blocks = dst_blocks
         self.layers, self.deadline = layers, deadline
@@ -41,26 +44,30 @@ class PushTarget:
 
     def _words(self) -> list[int | None]:
         board = self._tasks.board
-        return [unpack(board.landed(self.ref.slot, rank), self.ref.seq) for rank in range(board.tp)]
+        return [unpack(board.pushed(self.ref.slot, writer), self.ref.seq) for writer in self.writers]
 
     def _landed(self, layer: int) -> bool:
         words = self._words()
-        for rank, value in enumerate(words):
+        for writer, value in zip(self.writers, words):
             if value == FAILED:
-                raise PushFailed(f"push from {self.peer_id}: its rank {rank} gave up before layer {layer} landed")
+                raise PushFailed(f"push from {self.peer_id}: its rank {writer} gave up before layer {layer} landed")
         return all(value is not None and value > layer for value in words)
+
+    def missing(self, layer: int) -> list[int]:
+        """The writer ranks that have not written ``layer`` yet (for the error that names them)."""
+        return [w for w, value in zip(self.writers, self._words()) if value is None or value <= layer]
 
     def wait_for_layer(self, layer: int, timeout: float | None = None) -> None:
         if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.layers:
             raise ValueError(f"layer {layer!r} must be an integer in [0, {self.layers})")
         deadline = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
         try:
-            wait_until(lambda: self._landed(layer), deadline,
-                       f"push from {self.peer_id}: layer {layer} had not landed on every rank in time")
+            wait_until(lambda: self._landed(layer), deadline, "")
         except PushFailed:
             raise
-        except TimeoutError as exc:
-            raise LayerWaitTimeout(str(exc)) from None
+        except TimeoutError:
+            raise LayerWaitTimeout(f"push from {self.peer_id}: layer {layer} had not landed in time; "
+                                   f"its ranks {self.missing(layer)} had not written it") from None
 
     def result(self, timeout: float | None = None) -> list[int]:
         """Every layer landed on every rank: the destination blocks."""

@@ -64,7 +64,7 @@ def test_every_board_access_goes_through_the_atomics(monkeypatch):
         with pytest.raises(IndexError):
             board.landed(layer_progress.SLOTS, 0)
         with pytest.raises(IndexError):
-            board.set_landed(0, 5, 1)  # past the row: never lands in the next slot's words
+            board.set_landed(0, layer_progress.board_shape(board.tp)[1], 1)  # past the row: never the next slot's
     finally:
         board.close()
 

@@ -26,18 +26,32 @@ def test_a_descriptor_crosses_the_wire_as_plain_data_and_back():
 
 
 @pytest.mark.parametrize("field,value", [("model_version", "RL-STEP4"), ("cache_dtype", "uint8"), ("block_size", 32),
-                                         ("num_layers", 5), ("head_dim", 64), ("kv_heads", 4), ("mla", True),
-                                         ("model_id", "llama")])
+                                         ("num_layers", 5), ("head_dim", 64), ("kv_heads x tp", 4),
+                                         ("mla", True), ("model_id", "llama")])
 def test_a_link_between_layouts_that_differ_is_refused_naming_the_field(field, value):
     with pytest.raises(LayoutMismatch, match=field) as err:
-        compatible_layouts(descriptor(), descriptor(instance="D", role="decode", **{field: value}))
+        compatible_layouts(descriptor(), descriptor(instance="D", role="decode",
+                                                    **{field.split()[0]: value}))
     assert err.value.field == field
 
 
-def test_different_tp_sizes_and_an_instance_linked_to_itself_are_refused():
-    other_tp = dataclasses.replace(descriptor(instance="D"), tp=4, rank=1)
-    with pytest.raises(LayoutMismatch, match="tp"):
-        compatible_layouts(descriptor(), other_tp)
+def test_different_tp_sizes_link_when_they_hold_the_same_heads_in_all():
+    half = dataclasses.replace(LAYOUT, kv_heads=1, block_bytes=LAYOUT.block_bytes // 2)
+    four = dataclasses.replace(descriptor(instance="D"), tp=4, rank=3, layout=half)
+    compatible_layouts(descriptor(), four)  # 2 heads x 2 ranks = 1 head x 4 ranks
+    with pytest.raises(LayoutMismatch, match="kv_heads x tp") as err:  # 2 x 2 here, 1 x 2 there
+        compatible_layouts(descriptor(), dataclasses.replace(four, tp=2, rank=1))
+    assert "2 x 2" in str(err.value) and "1 x 2" in str(err.value)
+    padded = dataclasses.replace(four, layout=dataclasses.replace(half, block_bytes=LAYOUT.block_bytes))
+    with pytest.raises(LayoutMismatch, match="block_bytes per kv head"):
+        compatible_layouts(descriptor(), padded)
+    mla = dict(mla=True, kv_heads=1, block_bytes=4096)
+    compatible_layouts(descriptor(**mla), dataclasses.replace(descriptor(instance="D", **mla), tp=4, rank=2))
+    with pytest.raises(LayoutMismatch, match="kv_heads"):  # a latent is replicated, never split
+        compatible_layouts(descriptor(**mla), descriptor(instance="D", **dict(mla, kv_heads=2, block_bytes=8192)))
+
+
+def test_an_instance_linked_to_itself_is_refused():
     with pytest.raises(LayoutMismatch, match="instance_id"):
         compatible_layouts(descriptor(), descriptor())
     compatible_layouts(descriptor(), descriptor(instance="D", role="decode", num_blocks=64))  # pools may differ

@@ -4,7 +4,9 @@ The engine drives this with control commands, every rank alike (``peer_command``
 ``pd_describe`` (this rank's ``PeerDescriptor``: layout, and where a peer finds its memory),
 ``pd_link`` (check the peer rank's layout against ours, choose the transport both offer and open
 it: map its segments, or address it over this rank's Transfer Engine, opened on first need),
-``pd_unlink``.  Rank ``r`` of one instance links to rank ``r`` of the other (equal TP sizes).
+``pd_unlink``.  A rank links to every peer rank it exchanges kv heads with: rank ``r`` of the other
+instance when both run one TP size, otherwise the ranks ``transfer_factory.peer.heads`` names, each
+with the head range of a block it reads (``pull_routes``) or writes (``push_routes``).
 ``using`` lends a link to one transfer (``peer_transfers``): an unlink refuses new transfers at
 once, and unmaps the peer's memory only when the last transfer using it has ended.
 """
@@ -24,11 +26,12 @@ from ops.shm import SharedMemorySegment
 from transfer_factory.peer import PeerDescriptor, choose_transport, compatible_layouts
 from transfer_factory.peer.descriptor import CacheLayout
 from transfer_factory.peer.handles import BOARD_BYTES
+from transfer_factory.peer.heads import HeadSpan, reader_spans, writer_spans
 from transfer_factory.peer.ipc import IpcPeer, Region, ipc_params
 from transfer_factory.peer.te import TransferEngineEndpoint
 
 from cache_manager.cache_spec import CacheSpec
-from cache_manager.layer_progress import SLOTS
+from cache_manager.layer_progress import SLOTS, board_shape
 from cache_manager.queue.clocks import boot_id
 from cache_manager.rank.resources import RankResources
 
@@ -39,17 +42,17 @@ class PeerError(RuntimeError):
 
 @dataclass
 class PeerLink:
+    """This rank's link to one rank of the peer instance."""
+
     descriptor: PeerDescriptor
     transport: str
+    kind_bytes: dict[str, int]  # the peer's bytes of one block of one layer, per cache kind
     ipc: IpcPeer | None = None
     te_address: str = ""
     te_bases: dict[str, np.ndarray] | None = None  # kind -> the peer's per-layer addresses
     te_board: int = 0
     te_capacity: int = 0  # the fewest blocks of any of the peer's layers
     te_layer_board: int = 0
-
-    users: int = 0  # transfers running over it now
-    unlinked: bool = False
 
     @property
     def name(self) -> str:
@@ -58,6 +61,43 @@ class PeerLink:
     def close(self) -> None:
         if self.ipc is not None:
             self.ipc.close()
+
+
+@dataclass(frozen=True)
+class Route:
+    """A head range of every block, exchanged with one peer rank."""
+
+    peer: PeerLink
+    span: HeadSpan
+
+
+@dataclass
+class InstanceLink:
+    """This rank's links to the ranks of one peer instance, and what it exchanges with each."""
+
+    peer_id: str
+    peer_tp: int
+    transport: str
+    pull_routes: list[Route]  # where this rank's heads come from
+    push_routes: list[Route]  # where this rank's heads go (empty: this rank writes nothing)
+    head_bytes: dict[str, int]  # per cache kind, the bytes of one kv head of one block of one layer
+
+    users: int = 0  # transfers running over it now
+    unlinked: bool = False
+
+    @property
+    def board(self) -> PeerLink:
+        """Any rank of the peer maps its engine's boards; the first route's is used."""
+        return (self.pull_routes or self.push_routes)[0].peer
+
+    @property
+    def name(self) -> str:
+        ranks = sorted({r.peer.descriptor.rank for r in self.pull_routes + self.push_routes})
+        return f"{self.peer_id} rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+    def close(self) -> None:
+        for link in {id(r.peer): r.peer for r in self.pull_routes + self.push_routes}.values():
+            link.close()
 
 
 class PeerLinks:
@@ -132,42 +172,76 @@ class PeerLinks:
         return int(group.swap_plan.host.capacities[0]) * group.swap_plan.host.stride
 
     # ------------------------------------------------------------------ link / unlink
-    def link(self, local_wire: dict, peer_wire: Any, forced: str | None) -> str:
+    def link(self, local_wire: dict, peer_wires: Any, forced: str | None) -> str:
+        """Link to the peer ranks this rank exchanges heads with (``peer_wires``: the peer
+        instance's descriptors, one per rank).  Refused naming the first field that differs."""
         local = PeerDescriptor.from_wire(local_wire)
-        peer = PeerDescriptor.from_wire(peer_wire)
-        compatible_layouts(local, peer)
-        transport = choose_transport(local, peer, forced)
-        link = PeerLink(peer, transport)
-        if transport == "ipc":
-            # A decode instance only reads its peers; others may push into theirs.
-            link.ipc = IpcPeer(peer.transports["ipc"], self._kinds(), self._resources.num_layers, link.name,
-                               layer_board_bytes=SLOTS * (2 * self._tp + 1) * 8, writable=self._role != "decode")
-        else:
-            params = peer.transports["mooncake"]
-            link.te_address = str(params["address"])
-            kinds = self._kinds()
-            bases: dict[str, list[int]] = {}
-            capacity = None
-            for kind, layer, ptr, nbytes in params["regions"]:
-                if kind not in kinds or not 0 <= layer < self._resources.num_layers or nbytes % kinds[kind]:
-                    raise PeerError(f"{link.name}: Transfer Engine region {kind!r} layer {layer} does not fit this layout")
-                bases.setdefault(kind, [0] * self._resources.num_layers)[layer] = int(ptr)
-                capacity = nbytes // kinds[kind] if capacity is None else min(capacity, nbytes // kinds[kind])
-            if set(bases) != set(kinds) or any(0 in v for v in bases.values()):
-                raise PeerError(f"{link.name}: Transfer Engine regions do not cover every kind and layer")
-            link.te_bases = {k: np.asarray(v, dtype=np.int64) for k, v in bases.items()}
-            link.te_capacity = capacity or 0
-            link.te_board = int(params["board"])
-            link.te_layer_board = int(params["layer_board"])
-            if not self.te.is_open:
-                raise PeerError(f"{link.name}: this rank's Transfer Engine is not open (describe with mooncake first)")
+        if not isinstance(peer_wires, list) or not peer_wires:
+            raise ValueError("pd_link needs the peer instance's descriptors, one per rank")
+        peers = [PeerDescriptor.from_wire(w) for w in peer_wires]
+        for index, peer in enumerate(peers):
+            if (peer.rank, peer.tp, peer.instance_id) != (index, len(peers), peers[0].instance_id):
+                raise ValueError(f"peer descriptor {index} is rank {peer.rank} of {peer.tp} of {peer.instance_id!r}: "
+                                 f"want rank {index} of {len(peers)} of {peers[0].instance_id!r}")
+            compatible_layouts(local, peer)
+        mine, theirs = local.layout, peers[0].layout
+        args = (self._rank, self._tp, mine.kv_heads, len(peers), theirs.kv_heads, mine.mla)
+        pulls, pushes = reader_spans(*args), writer_spans(*args)
+        head_bytes = {kind: nbytes // mine.kv_heads for kind, nbytes in self._kinds().items()}
+        opened: dict[int, PeerLink] = {}
+        try:
+            for span in pulls + pushes:
+                if span.peer_rank not in opened:
+                    opened[span.peer_rank] = self._open_link(local, peers[span.peer_rank], forced, head_bytes)
+        except BaseException:
+            for link in opened.values():
+                link.close()
+            raise
+        transports = {link.transport for link in opened.values()}
+        link = InstanceLink(peers[0].instance_id, len(peers), transports.pop(),
+                            [Route(opened[s.peer_rank], s) for s in pulls],
+                            [Route(opened[s.peer_rank], s) for s in pushes], head_bytes)
+        if transports:  # ranks of one peer chose differently (one on this host, one not)
+            link.close()
+            raise PeerError(f"{link.name}: its ranks need different transports; force one")
         with self._lock:
-            old = self._links.get(peer.instance_id)
-            self._links[peer.instance_id] = link
+            old = self._links.get(link.peer_id)
+            self._links[link.peer_id] = link
         if old is not None:
             self._retire(old)
-        self._log.info("linked to %s over %s", link.name, transport)
-        return transport
+        self._log.info("linked to %s over %s (heads: pull %s, push %s)", link.name, link.transport,
+                       [(r.span.peer_rank, r.span.peer_head, r.span.heads) for r in link.pull_routes],
+                       [(r.span.peer_rank, r.span.peer_head, r.span.heads) for r in link.push_routes])
+        return link.transport
+
+    def _open_link(self, local: PeerDescriptor, peer: PeerDescriptor, forced: str | None,
+                   head_bytes: dict[str, int]) -> PeerLink:
+        transport = choose_transport(local, peer, forced)
+        kinds = {kind: nbytes * peer.layout.kv_heads for kind, nbytes in head_bytes.items()}
+        link = PeerLink(peer, transport, kinds)
+        if transport == "ipc":
+            # A decode instance only reads its peers; others may push into theirs.
+            link.ipc = IpcPeer(peer.transports["ipc"], kinds, self._resources.num_layers, link.name,
+                               layer_board_bytes=8 * SLOTS * board_shape(peer.tp)[1], writable=self._role != "decode")
+            return link
+        params = peer.transports["mooncake"]
+        link.te_address = str(params["address"])
+        bases: dict[str, list[int]] = {}
+        capacity = None
+        for kind, layer, ptr, nbytes in params["regions"]:
+            if kind not in kinds or not 0 <= layer < self._resources.num_layers or nbytes % kinds[kind]:
+                raise PeerError(f"{link.name}: Transfer Engine region {kind!r} layer {layer} does not fit this layout")
+            bases.setdefault(kind, [0] * self._resources.num_layers)[layer] = int(ptr)
+            capacity = nbytes // kinds[kind] if capacity is None else min(capacity, nbytes // kinds[kind])
+        if set(bases) != set(kinds) or any(0 in v for v in bases.values()):
+            raise PeerError(f"{link.name}: Transfer Engine regions do not cover every kind and layer")
+        link.te_bases = {k: np.asarray(v, dtype=np.int64) for k, v in bases.items()}
+        link.te_capacity = capacity or 0
+        link.te_board = int(params["board"])
+        link.te_layer_board = int(params["layer_board"])
+        if not self.te.is_open:
+            raise PeerError(f"{link.name}: this rank's Transfer Engine is not open (describe with mooncake first)")
+        return link
 
     def unlink(self, instance_id: str) -> bool:
         """Refuse new transfers over the link at once; its memory goes with its last transfer."""
@@ -179,7 +253,7 @@ class PeerLinks:
         self._log.info("unlinked from %s", link.name)
         return True
 
-    def _retire(self, link: PeerLink) -> None:
+    def _retire(self, link: InstanceLink) -> None:
         with self._lock:
             link.unlinked = True
             close = link.users == 0
@@ -187,7 +261,7 @@ class PeerLinks:
             link.close()
 
     @contextmanager
-    def using(self, peer_id: str, what: str) -> Iterator[PeerLink]:
+    def using(self, peer_id: str, what: str) -> Iterator[InstanceLink]:
         """The link to ``peer_id`` for one transfer: an unlink meanwhile closes its mappings only
         once the last transfer using them has ended (a copy never reads unmapped memory)."""
         with self._lock:
@@ -242,9 +316,9 @@ def peer_command(peers: PeerLinks | None, command: str, args: dict, rank: int) -
         return peers.describe(args)
     if command == "pd_link":
         local, peer, forced = args.get("local"), args.get("peer"), args.get("transport")
-        if not (isinstance(local, list) and isinstance(peer, list) and len(local) > rank and len(peer) > rank):
-            raise ValueError("pd_link needs per-rank lists 'local' and 'peer'")
-        return peers.link(local[rank], peer[rank], forced)
+        if not (isinstance(local, list) and isinstance(peer, list) and len(local) > rank):
+            raise ValueError("pd_link needs the lists 'local' (per rank) and 'peer' (the peer's ranks)")
+        return peers.link(local[rank], peer, forced)
     if command == "pd_unlink":
         peer_id = args.get("peer")
         if type(peer_id) is not str:

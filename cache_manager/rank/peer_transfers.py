@@ -1,14 +1,20 @@
 """The transfers a CTM rank runs over its links to other engine instances (DESIGN §3.11).
 
+Every transfer goes over the link's *routes* (``peer_links``): one per peer rank this rank
+exchanges kv heads with, each a head range of every block (the whole block when both instances run
+one TP size), so the same code serves equal and different TP sizes.
+
 * **pull** (decode side, LLM-DataDist's ``pull_blocks``): read the exposed source blocks of every
-  cache kind (a layer range or all layers) into this rank's device blocks or swap slots, then read
+  cache kind (a layer range or all layers) into this rank's device blocks or swap slots, each head
+  range from the prefill rank that holds it, then read
   the handle's word on the prefill engine's exposure board: the blocks count only if the handle is
   still LIVE (and, on one host, the prefill engine still runs), so they hold exactly the request's
   KV (``transfer_factory.peer.handles``).  Otherwise the task fails naming the peer.
 * **push** (prefill side, ``push_cache``): write each layer of the source blocks into the blocks the
-  decode instance reserved, as the engine says the layer is computed, and publish the layer on the
-  decode engine's layer board; on failure publish FAILED there, so the decode side knows this rank
-  writes no more.
+  decode instance reserved (each head range into the decode rank that owns it), as the engine says
+  the layer is computed, and publish the layer in this rank's ``pushed`` column of the decode
+  engine's layer board; on failure publish FAILED there, so the decode side knows this rank writes
+  no more.
 
 A Transfer Engine batch still running at the task's deadline cannot be cancelled: the rank answers
 0 blocks and keeps the blocks unreleased (``Outcome.still_running``) until the batch has ended.
@@ -29,8 +35,8 @@ from transfer_factory.peer.handles import TransferHandle, holds
 from transfer_factory.peer.te import Inflight, block_addresses, coalesce
 
 from cache_manager.cache_tasks import Outcome, PullTask, PushTask
-from cache_manager.layer_progress import FAILED, LayerPublisher, pack
-from cache_manager.rank.peer_links import PeerError, PeerLink, PeerLinks
+from cache_manager.layer_progress import FAILED, LayerPublisher, pack, pushed_index
+from cache_manager.rank.peer_links import InstanceLink, PeerError, PeerLink, PeerLinks, Route
 from cache_manager.rank.resources import RankResources
 
 
@@ -52,28 +58,32 @@ class PeerTransfers:
         with self._links.using(task.peer, "pulling") as link:
             return self._pull(link, task, deadline)
 
-    def _pull(self, link: PeerLink, task: PullTask, deadline: float) -> Outcome:
+    def _pull(self, link: InstanceLink, task: PullTask, deadline: float) -> Outcome:
         handle = TransferHandle.from_wire(task.handle)
         if handle.instance_id != task.peer:
             raise PeerError(f"handle of instance {handle.instance_id!r} used for a pull from {task.peer!r}")
         layers = range(*(task.layers or (0, self._resources.num_layers)))
         if layers.stop > self._resources.num_layers:
             raise ValueError(f"pull layers [{layers.start}, {layers.stop}) past this model's {self._resources.num_layers}")
-        if not self._holds(link, handle, deadline):
+        if not self._holds(link.board, handle, deadline):
             raise PeerError(f"{link.name}: handle of request {handle.req_id!r} is no longer exposed")
         moved = 0
         sides = [(g.kind, self._local_side(g, task.placement)) for g in self._resources.groups]
-        if link.ipc is not None:
-            for kind, dst in sides:
-                moved += self._copy_ipc(dst, link.ipc.side(kind), task.dst_block_ids, task.src_block_ids, layers)
-        else:
-            moved, inflight = self._transfer_te(link, False, sides, task.dst_block_ids, task.src_block_ids, layers,
-                                                deadline)
+        for route in link.pull_routes:  # each head range from the prefill rank that holds it
+            if route.peer.ipc is not None:
+                for kind, dst in sides:
+                    peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
+                    moved += self._copy_ipc(_shift(dst, local_off), _shift(route.peer.ipc.side(kind), peer_off),
+                                            task.dst_block_ids, task.src_block_ids, layers, nbytes)
+                continue
+            written, inflight = self._transfer_te(link, route, False, sides, task.dst_block_ids, task.src_block_ids,
+                                                  layers, deadline)
+            moved += written
             if inflight is not None:  # bytes may still land in the destination: release it later
                 self._log.error("pull %s from %s: still running at its deadline; its blocks stay held until it ends",
-                                task.task_id, link.name)
+                                task.task_id, route.peer.name)
                 return Outcome(value=[], still_running=self._late.submit(self._wait_late, inflight))
-        if not self._holds(link, handle, deadline):
+        if not self._holds(link.board, handle, deadline):
             raise PeerError(f"{link.name}: request {handle.req_id!r} was retracted or its engine is gone "
                             "during the pull; no block counts")
         return Outcome(value=list(task.dst_block_ids), bytes_moved=moved)
@@ -86,15 +96,17 @@ class PeerTransfers:
         with self._links.using(task.peer, "pushing") as link:
             return self._push(link, task, deadline, compute, stop)
 
-    def _push(self, link: PeerLink, task: PushTask, deadline: float, compute: LayerPublisher | None,
+    def _push(self, link: InstanceLink, task: PushTask, deadline: float, compute: LayerPublisher | None,
               stop: threading.Event) -> Outcome:
-        if link.ipc is not None and link.ipc.layer_board is None:
+        if link.board.ipc is not None and link.board.ipc.layer_board is None:
             raise PeerError(f"{link.name}: linked read-only (this instance is a decode instance)")
+        if not link.push_routes:  # MLA onto fewer decode ranks: another prefill rank writes their latent
+            return Outcome(value=list(task.dst_block_ids))
         layers = self._resources.num_layers
         sides = [(g.kind, self._local_side(g, "device")) for g in self._resources.groups]
         moved = 0
         try:
-            self._publish(link, task, self._tp + self._rank, len(task.dst_block_ids), deadline)
+            self._publish(link, task, 0, deadline)  # started: the decode side can no longer cancel
             # Layer by layer as the engine computes them; a push of computed blocks moves every
             # layer in one copy per kind (one batch) and publishes once.
             layerwise = compute is not None and compute.ref.await_compute
@@ -102,42 +114,47 @@ class PeerTransfers:
             for step in steps:
                 if layerwise:
                     compute.wait_computed(step.stop, deadline, stop)
-                if link.ipc is not None:
-                    for kind, src in sides:
-                        moved += self._copy_ipc(link.ipc.side(kind), src, task.dst_block_ids, task.src_block_ids,
-                                                step)
-                else:
-                    written, inflight = self._transfer_te(link, True, sides, task.src_block_ids, task.dst_block_ids,
-                                                          step, deadline)
+                for route in link.push_routes:  # each head range into the decode rank that owns it
+                    if route.peer.ipc is not None:
+                        for kind, src in sides:
+                            peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
+                            moved += self._copy_ipc(_shift(route.peer.ipc.side(kind), peer_off), _shift(src, local_off),
+                                                    task.dst_block_ids, task.src_block_ids, step, nbytes)
+                        continue
+                    written, inflight = self._transfer_te(link, route, True, sides, task.src_block_ids,
+                                                          task.dst_block_ids, step, deadline)
                     moved += written
                     if inflight is not None:  # may still land: FAILED only once it ended
                         self._log.error("push %s to %s: layers [%d, %d) still being written at its deadline",
-                                        task.task_id, link.name, step.start, step.stop)
+                                        task.task_id, route.peer.name, step.start, step.stop)
                         return Outcome(value=[], bytes_moved=moved, still_running=self._late.submit(
                             self._fail_push_late, inflight, link, task))
-                self._publish(link, task, self._rank, step.stop, deadline)
+                self._publish(link, task, step.stop, deadline)
         except BaseException:
             try:
-                self._publish(link, task, self._rank, FAILED, deadline + 1.0)
+                self._publish(link, task, FAILED, deadline + 1.0)
             except Exception as exc:  # the peer is gone or stopped: it will not wait for this word
                 self._log.warning("push %s: could not tell %s it failed: %s", task.task_id, link.name, exc)
             raise
         return Outcome(value=list(task.dst_block_ids), bytes_moved=moved)
 
-    def _fail_push_late(self, inflight: Inflight, link: PeerLink, task: PushTask) -> None:
+    def _fail_push_late(self, inflight: Inflight, link: InstanceLink, task: PushTask) -> None:
         self._wait_late(inflight)
         try:
-            self._publish(link, task, self._rank, FAILED, time.monotonic() + 5.0)
+            self._publish(link, task, FAILED, time.monotonic() + 5.0)
         except Exception as exc:
             self._log.warning("push %s: could not tell %s it failed: %s", task.task_id, link.name, exc)
 
-    def _publish(self, link: PeerLink, task: PushTask, column: int, value: int, deadline: float) -> None:
-        index = task.target.slot * (2 * self._tp + 1) + column
+    def _publish(self, link: InstanceLink, task: PushTask, value: int, deadline: float) -> None:
+        """This rank's word in the decode engine's layer board (every decode rank maps that board:
+        the first route's is used; a word goes after the bytes it covers, on every route)."""
+        index = pushed_index(link.peer_tp, task.target.slot, self._rank)
         word = pack(task.target.seq, value)
-        if link.ipc is not None:
-            _shm_atomic.store_release(link.ipc.layer_board, index, word)
+        board = link.board
+        if board.ipc is not None:
+            _shm_atomic.store_release(board.ipc.layer_board, index, word)
         else:
-            self._links.write_word(link, link.te_layer_board + 8 * index, word, deadline)
+            self._links.write_word(board, board.te_layer_board + 8 * index, word, deadline)
 
     def _local_side(self, group: Any, placement: str) -> Side:
         if placement == "host":
@@ -154,30 +171,37 @@ class PeerTransfers:
             cached = self._device_sides[id(group)] = (group, device_side(infos, block_bytes))
         return cached[1]
 
-    def _copy_ipc(self, dst: Side, src: Side, dst_ids: list[int], src_ids: list[int], layers: range) -> int:
-        """Copy blocks of ``layers`` between this rank's memory and a mapped peer's, either way: the
-        block kernel checks both sides' ids against their capacities."""
-        plan = layer_range(CopyPlan(dst, src, dst.stride, None), layers.start, layers.stop)
+    def _copy_ipc(self, dst: Side, src: Side, dst_ids: list[int], src_ids: list[int], layers: range,
+                  nbytes: int) -> int:
+        """Copy ``nbytes`` of each block of ``layers`` between this rank's memory and a mapped
+        peer's, either way (a head range: the sides start at its offset): the block kernel checks
+        both sides' ids against their capacities."""
+        plan = layer_range(CopyPlan(dst, src, nbytes, None), layers.start, layers.stop)
         self._platform.run_plan(plan, dst_ids, src_ids, HOST_TO_DEVICE)
-        return len(dst_ids) * dst.stride * len(layers)
+        return len(dst_ids) * nbytes * len(layers)
 
-    def _transfer_te(self, link: PeerLink, write: bool, sides: list[tuple[str, Side]], local_ids: list[int],
-                     remote_ids: list[int], layers: range, deadline: float) -> tuple[int, Inflight | None]:
-        """One Transfer Engine transfer of every kind's ``layers``, contiguous blocks coalesced:
-        ``write`` pushes this rank's blocks into the peer's, else it pulls the peer's into ours.
-        Returns the bytes and, if the deadline passed first, what is still in flight."""
-        self._check_ids(remote_ids, link.te_capacity, "destination" if write else "source")
+    def _transfer_te(self, link: InstanceLink, route: Route, write: bool, sides: list[tuple[str, Side]],
+                     local_ids: list[int], remote_ids: list[int], layers: range,
+                     deadline: float) -> tuple[int, Inflight | None]:
+        """One Transfer Engine transfer with one peer rank of the route's head range of every
+        kind's ``layers``, adjacent ranges coalesced: ``write`` pushes this rank's blocks into the
+        peer's, else it pulls the peer's into ours.  Returns the bytes and, if the deadline passed
+        first, what is still in flight."""
+        peer = route.peer
+        self._check_ids(remote_ids, peer.te_capacity, "destination" if write else "source")
         local_addrs: list[int] = []
         remote_addrs: list[int] = []
         lengths: list[int] = []
         for kind, local in sides:
             self._check_ids(local_ids, int(local.capacities.min()), "source" if write else "destination")
-            runs = coalesce(block_addresses(local.bases, local.stride, local_ids, layers),
-                            block_addresses(link.te_bases[kind], local.stride, remote_ids, layers), local.stride)
+            peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
+            runs = coalesce(block_addresses(local.bases + local_off, local.stride, local_ids, layers),
+                            block_addresses(peer.te_bases[kind] + peer_off, peer.kind_bytes[kind], remote_ids, layers),
+                            nbytes)
             local_addrs += runs[0]
             remote_addrs += runs[1]
             lengths += runs[2]
-        inflight = self._links.te.transfer(link.name, link.te_address, write, local_addrs, remote_addrs, lengths,
+        inflight = self._links.te.transfer(peer.name, peer.te_address, write, local_addrs, remote_addrs, lengths,
                                            deadline)
         return sum(lengths), inflight
 
@@ -203,3 +227,8 @@ class PeerTransfers:
         """Stop waiting for late batches (the process is stopping: they end with it)."""
         self._stopping.set()
         self._late.shutdown(wait=True)
+
+
+def _shift(side: Side, offset: int) -> Side:
+    """``side`` starting ``offset`` bytes into each block (a head range of a block)."""
+    return side if offset == 0 else Side(side.name, side.bases + offset, side.capacities, side.stride)

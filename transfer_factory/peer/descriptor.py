@@ -4,7 +4,9 @@ A descriptor travels between engines out of band (over the authenticated control
 router's own channel), so ``from_wire`` trusts nothing: every field is checked for its type and
 range and a bad one is named.  ``compatible_layouts`` refuses a link before any byte moves when
 the two caches would not mean the same thing block for block: another model or model version,
-another dtype, block size, layer count, head size, kv-head split, or MLA on one side only.
+another dtype, block size, layer count, head size, or MLA on one side only, or a different number
+of kv heads in all.  The TP sizes may differ: each rank then exchanges head ranges of blocks with
+the peer ranks that hold them (``transfer_factory.peer.heads``).
 Transports are chosen by capability (``choose_transport``), never by the peer's name.
 """
 from __future__ import annotations
@@ -42,9 +44,9 @@ class CacheLayout:
     num_blocks: int  # this rank's device blocks (a peer checks block ids against it)
     block_bytes: int  # bytes of one block of one layer, all kinds together
 
-    # Compared at link time, in this order: the first that differs is named.
-    MUST_MATCH = ("model_id", "model_version", "cache_dtype", "block_size", "num_layers", "head_dim",
-                  "kv_heads", "mla", "block_bytes")
+    # Compared at link time, in this order: the first that differs is named.  The kv heads per
+    # rank and so the block bytes may differ with the TP size (checked per head instead).
+    MUST_MATCH = ("model_id", "model_version", "cache_dtype", "block_size", "num_layers", "head_dim", "mla")
 
 
 @dataclass(frozen=True)
@@ -92,17 +94,23 @@ class PeerDescriptor:
 
 def compatible_layouts(local: PeerDescriptor, peer: PeerDescriptor) -> None:
     """Raise ``LayoutMismatch`` naming the first field that keeps ``local`` and ``peer`` from
-    exchanging blocks.  Different TP sizes are refused here (the kv heads a rank holds differ)."""
+    exchanging blocks.  Instances of different TP sizes can, when they hold the same kv heads in
+    all (MLA: the same latent on every rank) and a head takes the same bytes on both."""
     if local.instance_id == peer.instance_id:
         raise LayoutMismatch("instance_id", local.instance_id, peer.instance_id)
-    if local.tp != peer.tp:
-        raise LayoutMismatch("tp", local.tp, peer.tp)
-    if local.rank != peer.rank:
-        raise LayoutMismatch("rank", local.rank, peer.rank)
     for name in CacheLayout.MUST_MATCH:
         mine, theirs = getattr(local.layout, name), getattr(peer.layout, name)
         if mine != theirs:
             raise LayoutMismatch(name, mine, theirs)
+    mine, theirs = local.layout, peer.layout
+    if mine.mla:
+        if mine.kv_heads != theirs.kv_heads:
+            raise LayoutMismatch("kv_heads", mine.kv_heads, theirs.kv_heads)
+    elif mine.kv_heads * local.tp != theirs.kv_heads * peer.tp:
+        raise LayoutMismatch("kv_heads x tp", f"{mine.kv_heads} x {local.tp}", f"{theirs.kv_heads} x {peer.tp}")
+    if mine.block_bytes * theirs.kv_heads != theirs.block_bytes * mine.kv_heads:
+        raise LayoutMismatch("block_bytes per kv head", mine.block_bytes / mine.kv_heads,
+                             theirs.block_bytes / theirs.kv_heads)
 
 
 def choose_transport(local: PeerDescriptor, peer: PeerDescriptor, forced: str | None = None) -> str:
