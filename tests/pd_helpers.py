@@ -4,7 +4,9 @@ it for real (``PeerInstance``, ``child_instance``).
 
 The child starts a ``CacheTransferService`` and its ``PrefillDecode`` side, fills its caches with
 seeded random bytes, and answers JSON commands on stdin, one per line: ``descriptor``, ``link``,
-``expose``, ``retract``, ``digest`` (SHA-256 of blocks per rank, kind and layer), ``quit``.
+``expose``, ``retract``, ``receive_push`` and ``push_state`` (decode side), ``push`` and
+``computed`` (prefill side: a layer-wise push and its computed layers), ``digest`` (SHA-256 of
+blocks per rank, kind and layer), ``bytes`` (the blocks themselves, hex), ``quit``.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ CHILD = textwrap.dedent("""
     def answer(value):
         print(json.dumps(value), flush=True)
     targets = {{}}
+    pushes = {{}}
     answer({{"pids": list(svc.pids().values())}})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -55,8 +58,17 @@ CHILD = textwrap.dedent("""
             elif op == "push_state":
                 target = targets[cmd["peer"]]
                 answer({{"released": target.released, "words": target._words()}})
+            elif op == "push":
+                pushes[cmd["peer"]] = side.push_blocks(cmd["peer"], cmd["ticket"], cmd["src"], layerwise=True,
+                                                       timeout=cmd.get("timeout", 30))
+                answer("ok")
+            elif op == "computed":
+                pushes[cmd["peer"]].layer_computed(cmd["layers"])
+                answer("ok")
             elif op == "digest":
                 answer(digests(views(svc), cmd["ids"]))
+            elif op == "bytes":
+                answer({{f"{{r}}/{{k}}/{{l}}": v[cmd["ids"]].tobytes().hex() for (r, k, l), v in views(svc).items()}})
             elif op == "quit":
                 break
         except Exception as exc:
@@ -75,6 +87,7 @@ class PeerInstance:
     """A child process running one engine instance; ``call`` sends a command and waits for its answer."""
 
     def __init__(self, instance: str, spec: dict, tp: int = 2, seed: int = 1):
+        self.tp = tp
         code = CHILD.format(repo=REPO, spec=spec, tp=tp, instance=instance, seed=seed)
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, cwd=REPO)
@@ -153,10 +166,10 @@ def instance_pair(spec, **service_args) -> Iterator[tuple]:
 
 
 @contextlib.contextmanager
-def child_instance(instance: str, spec: dict, seed: int) -> Iterator[PeerInstance]:
+def child_instance(instance: str, spec: dict, seed: int, tp: int = 2) -> Iterator[PeerInstance]:
     """A ``PeerInstance``; afterwards every process of it is continued (a test may have stopped
     some) and the instance closed."""
-    peer = PeerInstance(instance, spec, seed=seed)
+    peer = PeerInstance(instance, spec, tp=tp, seed=seed)
     try:
         yield peer
     finally:
