@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode pulls the request's blocks, or prefill pushes them layer by layer (default pull)")
     g.add_argument("--pd-transport", choices=list(TRANSPORT_CHOICES), default="auto",
                    help="ipc (same host, no port), mooncake (Transfer Engine over TCP), or auto (default)")
+    g.add_argument("--prefill-tp", type=int, default=None,
+                   help="TP size of the prefill instances (default --tp); the model then has max(prefill, "
+                   "decode TP) kv heads of --block-bytes each, split over each instance's ranks")
+    g.add_argument("--decode-tp", type=int, default=None, help="TP size of the decode instances (default --tp)")
     g.add_argument("--pd-decode-ms", type=float, default=0.0,
                    help="simulated decode time per request, during which D holds its blocks (default 0)")
 
@@ -77,11 +81,26 @@ def parse_pd(text: str) -> tuple[int, int]:
     return p, d
 
 
+def tp_sizes(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(prefill TP, decode TP, the model's kv heads): one head per rank of the larger instance."""
+    p_tp = args.tp if args.prefill_tp is None else args.prefill_tp
+    d_tp = args.tp if args.decode_tp is None else args.decode_tp
+    return p_tp, d_tp, max(p_tp, d_tp)
+
+
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.pd is None:
-        if args.pd_mode != "pull" or args.pd_transport != "auto" or args.pd_decode_ms:
-            parser.error("--pd-mode, --pd-transport and --pd-decode-ms need --pd P:D")
+        if (args.pd_mode != "pull" or args.pd_transport != "auto" or args.pd_decode_ms
+                or args.prefill_tp is not None or args.decode_tp is not None):
+            parser.error("--pd-mode, --pd-transport, --pd-decode-ms, --prefill-tp and --decode-tp need --pd P:D")
         return
+    for flag, value in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        if value is not None and not 1 <= value <= 16:
+            parser.error(f"{flag} {value} must be in 1..16")
+    p_tp, d_tp, heads = tp_sizes(args)
+    if heads % p_tp or heads % d_tp:
+        parser.error(f"--prefill-tp {p_tp} and --decode-tp {d_tp}: the smaller must divide the larger "
+                     "(each rank holds a whole number of kv heads)")
     try:
         parse_pd(args.pd)
     except ValueError as exc:
@@ -276,14 +295,17 @@ def run(args: argparse.Namespace, spec, requests, block_hashes, source: str, max
         storage_options: dict, log_dir: str, progress, reaper=None) -> dict:
     """Start the instances, link them, replay, stop them (their CTMs, links and boards go with them)."""
     n_p, n_d = parse_pd(args.pd)
-    common = dict(tp=args.tp, model_id=f"replay/{source}", max_model_len=max_model_len,
-                  task_timeout=args.task_timeout, record_latencies=True)
+    p_tp, d_tp, heads = tp_sizes(args)
+    common = dict(model_id=f"replay/{source}", max_model_len=max_model_len, task_timeout=args.task_timeout,
+                  record_latencies=True)
     with contextlib.ExitStack() as stack:
         prefills, decodes = [], []
         for role, n in (("prefill", n_p), ("decode", n_d)):
             for i in range(n):
+                tp = p_tp if role == "prefill" else d_tp
                 svc = CacheTransferService(
-                    spec, num_cpu_blocks=args.host_blocks if role == "prefill" else 0,
+                    dataclasses.replace(spec, kv_heads=heads // tp), tp=tp,
+                    num_cpu_blocks=args.host_blocks if role == "prefill" else 0,
                     storage_backend="none" if role == "decode" or args.storage == "none" else args.storage,
                     storage_options=storage_options if role == "prefill" else {},
                     log_dir=os.path.join(log_dir, f"{role}{i}"), extra_flags={"splitwise_role": role}, **common)
@@ -295,14 +317,15 @@ def run(args: argparse.Namespace, spec, requests, block_hashes, source: str, max
                 stack.callback(inst.side.close)  # before its service stops
                 (prefills if role == "prefill" else decodes).append(inst)
         transport = link_all(prefills, decodes, args.pd_transport)
-        print(f"P/D {n_p}:{n_d} up, {args.pd_mode} over {transport}", flush=True)
-        result = _replay(args, prefills, decodes, requests, block_hashes, progress)
-        result.update(pd=f"{n_p}:{n_d}", pd_mode=args.pd_mode, pd_transport=transport)
+        print(f"P/D {n_p}:{n_d} up (TP {p_tp}:{d_tp}), {args.pd_mode} over {transport}", flush=True)
+        result = _replay(args, prefills, decodes, requests, block_hashes, progress, heads)
+        result.update(pd=f"{n_p}:{n_d}", pd_mode=args.pd_mode, pd_transport=transport, prefill_tp=p_tp,
+                      decode_tp=d_tp)
         return result
 
 
 def _replay(args, prefills: list[PrefillInstance], decodes: list[DecodeInstance], requests, block_hashes,
-            progress) -> dict:
+            progress, heads: int) -> dict:
     tally = Tally(requests, block_hashes, args.kv_blocks_per_hash)
     stats = PDStats()
     route_p, route_d = Router(len(prefills), args.route), Router(len(decodes), "round-robin")
@@ -330,7 +353,7 @@ def _replay(args, prefills: list[PrefillInstance], decodes: list[DecodeInstance]
         totals.update(dataclasses.asdict(p.cache.stats))
     cache_stats = {**dataclasses.asdict(TierStats()), **totals}
     latencies = [x for p in prefills for x in p.svc.latencies_ms]
-    block_bytes = args.tp * len(KINDS) * args.num_layers * args.block_bytes
+    block_bytes = heads * len(KINDS) * args.num_layers * args.block_bytes  # every head of the model
     result = summarize(tally, cache_stats, latencies, sum(p.svc.busy_seconds() for p in prefills), block_bytes,
                        elapsed, args, bounce_blocks=sum(p.cache.block_counts()["bounce"] for p in prefills),
                        metrics_port=None)
@@ -342,7 +365,8 @@ def _replay(args, prefills: list[PrefillInstance], decodes: list[DecodeInstance]
 # ---------------------------------------------------------------------------- report
 def summary_rows(r: dict) -> list[tuple[str, str]]:
     gib = 2**30
-    return [("P/D", f"{r['pd']} ({r['pd_mode']} over {r['pd_transport']}): {r['pd_requests']} requests decoded, "
+    return [("P/D", f"{r['pd']} (TP {r['prefill_tp']}:{r['decode_tp']}, {r['pd_mode']} over {r['pd_transport']}): "
+                    f"{r['pd_requests']} requests decoded, "
                     f"{r['pd_blocks']} blocks, {r['pd_bytes'] / gib:.3f} GiB at {r['pd_gbps']:.2f} GB/s"),
             ("P/D transfer", f"p50 {r['pd_transfer_p50_ms']:.2f} ms, p99 {r['pd_transfer_p99_ms']:.2f} ms"
                              + (f"; last layer visible {r['pd_layer_visible_ms']:.2f} ms after computed (p50)"

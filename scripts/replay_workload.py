@@ -116,7 +116,10 @@ def request_hashes(req: Request, kv_blocks_per_hash: int) -> list[str]:
 
 # ---------------------------------------------------------------------------- one engine's step
 class Content:
-    """Deterministic bytes of every block: words = index * golden + tag(hash, layer, rank, kind)."""
+    """Deterministic bytes of every block: per kv head, words = index * golden + tag(hash, layer,
+    head, kind), where head is the model's (rank * heads per rank + h).  So instances of different
+    TP sizes agree on a block's bytes head by head, and with one head per rank (the single-engine
+    replay) the head is the rank."""
 
     def __init__(self, svc):
         self.views = {}
@@ -124,13 +127,15 @@ class Content:
             for kind in KINDS:
                 for layer, t in enumerate(caches[kind]):
                     self.views[(rank, kind, layer)] = svc.platform.raw_view(t).view(np.uint64)
+        self.heads = svc.spec.kv_heads
         words = next(iter(self.views.values())).shape[1]
-        self.base = np.arange(words, dtype=np.uint64) * GOLDEN
+        self.base = np.arange(words // self.heads, dtype=np.uint64) * GOLDEN
 
     def _expected(self, hashes: list[str], rank: int, kind: str, layer: int) -> np.ndarray:
-        salt = (rank << 40) | (KINDS.index(kind) << 32) | (layer << 48)
-        tags = np.array([int(h[:16], 16) ^ salt for h in hashes], dtype=np.uint64)
-        return self.base[None, :] + tags[:, None]
+        heads = np.arange(rank * self.heads, (rank + 1) * self.heads, dtype=np.uint64)
+        salt = (heads << np.uint64(40)) | np.uint64((KINDS.index(kind) << 32) | (layer << 48))
+        tags = np.array([int(h[:16], 16) for h in hashes], dtype=np.uint64)[:, None] ^ salt[None, :]
+        return (self.base[None, None, :] + tags[:, :, None]).reshape(len(hashes), -1)
 
     def write(self, hashes: list[str], blocks: list[int]) -> None:
         if not blocks:

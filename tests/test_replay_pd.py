@@ -85,10 +85,10 @@ def run_pd(tmp_path, *args: str, timeout: float = 120.0) -> tuple[dict, dict[int
     return json.loads(lines[-1]), seen, ports
 
 
-def assert_nothing_left(seen: dict[int, str], ports: set[str], instances: int) -> None:
+def assert_nothing_left(seen: dict[int, str], ports: set[str], instances: int, ranks: int | None = None) -> None:
     """Every process the replay started is gone, and so is every shared-memory name of its engines."""
     ctms = [pid for pid, cmd in seen.items() if "cache_manager.cache_transfer_manager" in cmd]
-    assert len(ctms) >= 2 * instances and len(ports) == instances, f"watched {len(ctms)} CTMs, ports {ports}"
+    assert len(ctms) >= (ranks or 2 * instances) and len(ports) == instances, f"watched {len(ctms)} CTMs, ports {ports}"
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in seen) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -121,6 +121,17 @@ def test_two_prefill_instances_share_one_decode_instance(tmp_path):
     assert r["pd_corrupt_blocks"] == 0 and r["pd_failed_transfers"] == 0
     assert r["pd_blocks"] == r["blocks"] > 0
     assert_nothing_left(seen, ports, instances=3)
+
+
+@pytest.mark.parametrize("p_tp,d_tp,mode,transport", [("2", "1", "pull", "mooncake"), ("1", "2", "push", "ipc")])
+def test_instances_of_different_tp_sizes_hand_over_every_block_bit_exact(tmp_path, p_tp, d_tp, mode, transport):
+    r, seen, ports = run_pd(tmp_path, "--pd", "1:1", "--prefill-tp", p_tp, "--decode-tp", d_tp, "--pd-mode", mode,
+                            "--pd-transport", transport)
+    assert (r["prefill_tp"], r["decode_tp"], r["pd_transport"]) == (int(p_tp), int(d_tp), transport)
+    assert r["pd_corrupt_blocks"] == 0 and r["corrupt_blocks"] == 0 and r["pd_failed_transfers"] == 0
+    assert r["pd_blocks"] == r["blocks"] > 0 and r["pd_requests"] == r["requests"]
+    assert r["pd_bytes"] == r["pd_blocks"] * r["block_bytes"], "every head of every block moved once"
+    assert_nothing_left(seen, ports, instances=2, ranks=int(p_tp) + int(d_tp))
 
 
 @pytest.mark.parametrize("text", ["1", "0:1", "1:0", "a:b", "1:2:3", "9:1"])
