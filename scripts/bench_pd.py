@@ -56,6 +56,7 @@ Ratios (medians of --reps interleaved repetitions; targets from DESIGN §5):
   pd_push_ipc_over_memcpy  = memcpy / ipc_push           (push variant of the first)
   pd_push_te_over_raw      = raw_write / te_push         (push variant of the second)
   pd_push_visible_fraction = visible(layer-wise) / whole push   <= 1/L + 0.1
+  pd_hetero_over_same_tp   = same-TP pull / P:D pull of the same bytes   >= 0.8  (``bench_pd_tp.py``)
 The top-level figures of the JSON line are the worst over the block sizes (and, for the visible
 fraction, over both transports); per block size figures are under "results".  Prints a table of
 GB/s, then one JSON line.
@@ -76,6 +77,7 @@ quiet_paddle()
 
 import numpy as np  # noqa: E402
 
+import bench_pd_tp  # noqa: E402
 from engine_hooks import CacheSpec, CacheTransferService  # noqa: E402
 from engine_hooks.pd import PrefillDecode  # noqa: E402
 from ops import _block_copy  # noqa: E402
@@ -444,9 +446,16 @@ def main() -> None:
     p.add_argument("--compute-ms", type=float, default=5.0, help="least per-layer compute of the layer-wise push")
     p.add_argument("--compute-factor", type=float, default=1.2, help="per-layer compute over per-layer whole push")
     p.add_argument("--te-chunk", type=int, default=1024, help="most 64 KiB slices per raw Transfer Engine batch")
+    p.add_argument("--tp-pairs", default="1:2,2:1,2:4,4:2",
+                   help="prefill:decode TP pairs for pd_hetero_over_same_tp (bench_pd_tp.py; empty: skip)")
+    p.add_argument("--tp-block-kib", type=float, default=64, help="the TP pairs' K block of one layer, all heads, KiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
+    try:
+        pairs = bench_pd_tp.parse_pairs(args.tp_pairs)
+    except ValueError as exc:
+        p.error(str(exc))
     if min(args.layers, args.tp, args.mib, args.reps, args.te_chunk) < 1:
         p.error("--layers, --tp, --mib, --reps and --te-chunk must be positive")
     sizes = [int(float(v) * KiB) for v in args.block_kib.split(",")]
@@ -488,6 +497,10 @@ def main() -> None:
         values = [r[key] for r in results]
         return None if any(v is None for v in values) else round(pick(values), 4)
 
+    hetero, pair_results = bench_pd_tp.measure(pairs, args, log)
+    for r in pair_results:
+        print(f"TP {r['pair']:>4} over {r['transport']:<8}: {r['hetero_gbps']:7.2f} GB/s, same TP {r['same_tp_gbps']:7.2f}"
+              f" GB/s, ratio {r['pd_hetero_over_same_tp']:.3f} (>= 0.8)")
     visible = [r[k] for r in results for k in ("pd_push_ipc_visible_fraction", "pd_push_te_visible_fraction")]
     summary = {
         "pd_ipc_over_memcpy": worst("pd_ipc_over_memcpy", min),
@@ -496,11 +509,12 @@ def main() -> None:
         "pd_push_te_over_raw": worst("pd_push_te_over_raw", min),
         "pd_push_visible_fraction": None if None in visible else round(max(visible), 4),
         "pd_push_ipc_visible_fraction": worst("pd_push_ipc_visible_fraction", max),
+        "pd_hetero_over_same_tp": hetero,
     }
     rounded = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in results]
     print(json.dumps({**summary, "visible_bound": round(1 / args.layers + 0.1, 4), "block_bytes": sizes,
                       "tp": args.tp, "layers": args.layers, "reps": args.reps, "mib": args.mib,
-                      "copy_threads": default_copy_threads(), "results": rounded}))
+                      "copy_threads": default_copy_threads(), "results": rounded, "tp_pairs": pair_results}))
 
 
 if __name__ == "__main__":

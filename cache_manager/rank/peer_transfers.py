@@ -27,6 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from ops.layout import CopyPlan, Side, describe_caches, device_side, layer_range
 from ops.modes import HOST_TO_DEVICE
 from ops import _shm_atomic
@@ -69,19 +71,16 @@ class PeerTransfers:
             raise PeerError(f"{link.name}: handle of request {handle.req_id!r} is no longer exposed")
         moved = 0
         sides = [(g.kind, self._local_side(g, task.placement)) for g in self._resources.groups]
-        for route in link.pull_routes:  # each head range from the prefill rank that holds it
-            if route.peer.ipc is not None:
-                for kind, dst in sides:
-                    peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
-                    moved += self._copy_ipc(_shift(dst, local_off), _shift(route.peer.ipc.side(kind), peer_off),
-                                            task.dst_block_ids, task.src_block_ids, layers, nbytes)
-                continue
-            written, inflight = self._transfer_te(link, route, False, sides, task.dst_block_ids, task.src_block_ids,
-                                                  layers, deadline)
+        if link.transport == "ipc":  # each head range from the prefill rank that holds it
+            moved += self._copy_ipc(link, link.pull_routes, sides, True, task.dst_block_ids, task.src_block_ids,
+                                    layers)
+        if link.transport != "ipc":  # every prefill rank holding some of our heads at once
+            written, inflight = self._transfer_te(link, link.pull_routes, False, sides, task.dst_block_ids,
+                                                  task.src_block_ids, layers, deadline)
             moved += written
             if inflight is not None:  # bytes may still land in the destination: release it later
                 self._log.error("pull %s from %s: still running at its deadline; its blocks stay held until it ends",
-                                task.task_id, route.peer.name)
+                                task.task_id, link.name)
                 return Outcome(value=[], still_running=self._late.submit(self._wait_late, inflight))
         if not self._holds(link.board, handle, deadline):
             raise PeerError(f"{link.name}: request {handle.req_id!r} was retracted or its engine is gone "
@@ -114,19 +113,16 @@ class PeerTransfers:
             for step in steps:
                 if layerwise:
                     compute.wait_computed(step.stop, deadline, stop)
-                for route in link.push_routes:  # each head range into the decode rank that owns it
-                    if route.peer.ipc is not None:
-                        for kind, src in sides:
-                            peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
-                            moved += self._copy_ipc(_shift(route.peer.ipc.side(kind), peer_off), _shift(src, local_off),
-                                                    task.dst_block_ids, task.src_block_ids, step, nbytes)
-                        continue
-                    written, inflight = self._transfer_te(link, route, True, sides, task.src_block_ids,
+                if link.transport == "ipc":  # each head range into the decode rank that owns it
+                    moved += self._copy_ipc(link, link.push_routes, sides, False, task.dst_block_ids,
+                                            task.src_block_ids, step)
+                else:
+                    written, inflight = self._transfer_te(link, link.push_routes, True, sides, task.src_block_ids,
                                                           task.dst_block_ids, step, deadline)
                     moved += written
                     if inflight is not None:  # may still land: FAILED only once it ended
                         self._log.error("push %s to %s: layers [%d, %d) still being written at its deadline",
-                                        task.task_id, route.peer.name, step.start, step.stop)
+                                        task.task_id, link.name, step.start, step.stop)
                         return Outcome(value=[], bytes_moved=moved, still_running=self._late.submit(
                             self._fail_push_late, inflight, link, task))
                 self._publish(link, task, step.stop, deadline)
@@ -171,39 +167,53 @@ class PeerTransfers:
             cached = self._device_sides[id(group)] = (group, device_side(infos, block_bytes))
         return cached[1]
 
-    def _copy_ipc(self, dst: Side, src: Side, dst_ids: list[int], src_ids: list[int], layers: range,
-                  nbytes: int) -> int:
-        """Copy ``nbytes`` of each block of ``layers`` between this rank's memory and a mapped
-        peer's, either way (a head range: the sides start at its offset): the block kernel checks
-        both sides' ids against their capacities."""
-        plan = layer_range(CopyPlan(dst, src, nbytes, None), layers.start, layers.stop)
-        self._platform.run_plan(plan, dst_ids, src_ids, HOST_TO_DEVICE)
-        return len(dst_ids) * nbytes * len(layers)
+    def _copy_ipc(self, link: InstanceLink, routes: list[Route], sides: list[tuple[str, Side]], pull: bool,
+                  dst_ids: list[int], src_ids: list[int], layers: range) -> int:
+        """Copy the routes' head ranges of ``layers`` between this rank's memory and the mapped
+        peer ranks' (``pull``: into ours), one kernel call per cache kind: the routes' layers are
+        concatenated into one plan, so a rank reading from two peer ranks makes as many calls as
+        one reading from one.  The block kernel checks both sides' ids against their capacities."""
+        moved = 0
+        for kind, local in sides:
+            plans: dict[int, list[CopyPlan]] = {}  # head-range bytes -> one plan per route
+            for route in routes:
+                peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
+                mine, theirs = _shift(local, local_off), _shift(route.peer.ipc.side(kind), peer_off)
+                dst, src = (mine, theirs) if pull else (theirs, mine)
+                plans.setdefault(nbytes, []).append(layer_range(CopyPlan(dst, src, nbytes, None), layers.start,
+                                                                layers.stop))
+            for nbytes, parts in plans.items():
+                self._platform.run_plan(_concat(parts), dst_ids, src_ids, HOST_TO_DEVICE)
+                moved += len(dst_ids) * nbytes * len(layers) * len(parts)
+        return moved
 
-    def _transfer_te(self, link: InstanceLink, route: Route, write: bool, sides: list[tuple[str, Side]],
+    def _transfer_te(self, link: InstanceLink, routes: list[Route], write: bool, sides: list[tuple[str, Side]],
                      local_ids: list[int], remote_ids: list[int], layers: range,
                      deadline: float) -> tuple[int, Inflight | None]:
-        """One Transfer Engine transfer with one peer rank of the route's head range of every
-        kind's ``layers``, adjacent ranges coalesced: ``write`` pushes this rank's blocks into the
-        peer's, else it pulls the peer's into ours.  Returns the bytes and, if the deadline passed
-        first, what is still in flight."""
-        peer = route.peer
-        self._check_ids(remote_ids, peer.te_capacity, "destination" if write else "source")
-        local_addrs: list[int] = []
-        remote_addrs: list[int] = []
-        lengths: list[int] = []
-        for kind, local in sides:
+        """One Transfer Engine transfer with the routes' peer ranks, all at once, of each route's
+        head range of every kind's ``layers``, adjacent ranges coalesced: ``write`` pushes this
+        rank's blocks into the peers', else it pulls theirs into ours.  Returns the bytes and, if
+        the deadline passed first, what is still in flight."""
+        for _, local in sides:
             self._check_ids(local_ids, int(local.capacities.min()), "source" if write else "destination")
-            peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
-            runs = coalesce(block_addresses(local.bases + local_off, local.stride, local_ids, layers),
-                            block_addresses(peer.te_bases[kind] + peer_off, peer.kind_bytes[kind], remote_ids, layers),
-                            nbytes)
-            local_addrs += runs[0]
-            remote_addrs += runs[1]
-            lengths += runs[2]
-        inflight = self._links.te.transfer(peer.name, peer.te_address, write, local_addrs, remote_addrs, lengths,
-                                           deadline)
-        return sum(lengths), inflight
+        jobs = []
+        for route in routes:
+            peer = route.peer
+            self._check_ids(remote_ids, peer.te_capacity, "destination" if write else "source")
+            local_addrs: list[int] = []
+            remote_addrs: list[int] = []
+            lengths: list[int] = []
+            for kind, local in sides:
+                peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
+                runs = coalesce(block_addresses(local.bases + local_off, local.stride, local_ids, layers),
+                                block_addresses(peer.te_bases[kind] + peer_off, peer.kind_bytes[kind], remote_ids,
+                                                layers), nbytes)
+                local_addrs += runs[0]
+                remote_addrs += runs[1]
+                lengths += runs[2]
+            jobs.append((peer.name, peer.te_address, local_addrs, remote_addrs, lengths))
+        inflight = self._links.te.transfer_many(jobs, write, deadline)
+        return sum(sum(job[4]) for job in jobs), inflight
 
     def _wait_late(self, inflight: Inflight) -> None:
         while not self._stopping.is_set() and not inflight.wait(1.0):
@@ -227,6 +237,20 @@ class PeerTransfers:
         """Stop waiting for late batches (the process is stopping: they end with it)."""
         self._stopping.set()
         self._late.shutdown(wait=True)
+
+
+def _concat(plans: list[CopyPlan]) -> CopyPlan:
+    """One plan copying what each of ``plans`` (same block bytes) copies, their layers in turn."""
+    if len(plans) == 1:
+        return plans[0]
+
+    def join(sides: list[Side]) -> Side:
+        if len({s.stride for s in sides}) != 1:
+            raise ValueError(f"cannot join sides of strides {[s.stride for s in sides]}")
+        return Side(sides[0].name, np.concatenate([s.bases for s in sides]),
+                    np.concatenate([s.capacities for s in sides]), sides[0].stride)
+
+    return CopyPlan(join([p.device for p in plans]), join([p.host for p in plans]), plans[0].block_bytes, None)
 
 
 def _shift(side: Side, offset: int) -> Side:

@@ -150,58 +150,71 @@ class TransferEngineEndpoint:
 
     def transfer(self, peer: str, peer_address: str, write: bool, local: list[int], remote: list[int],
                  lengths: list[int], deadline: float) -> Inflight | None:
-        """Move the runs; None once every one has landed, an ``Inflight`` if the deadline passed
-        with some still running.  Raises ``PeerTransferError`` naming ``peer`` when the engine
-        reports a failure, but only once none of the runs is still running.
+        """Move the runs with one peer (see ``transfer_many``)."""
+        return self.transfer_many([(peer, peer_address, local, remote, lengths)], write, deadline)
+
+    def transfer_many(self, jobs: Sequence[tuple[str, str, list[int], list[int], list[int]]], write: bool,
+                      deadline: float) -> Inflight | None:
+        """Move each job's runs (``(peer name, peer address, local, remote, lengths)``) with its
+        peer, every peer's at once (a rank reading its kv heads from several peer ranks); None once
+        every run has landed, an ``Inflight`` if the deadline passed with some still running.
+        Raises ``PeerTransferError`` naming the peer of the first failed run, but only once none
+        of the runs is still running.
 
         Each run is its own batch: the binding's ``transfer_check_status`` reports only the first
-        task of a batch, so a batch of many runs looked done while most were still in flight."""
+        task of a batch, so a batch of many runs looked done while most were still in flight.  At
+        most ``MAX_SLICES_IN_FLIGHT`` slices per peer."""
         submit = self._engine.batch_transfer_async_write if write else self._engine.batch_transfer_async_read
-        pending: list[tuple[int, int]] = []  # (batch id, slices)
-        in_flight = 0
-        failure = ""
+        pending: list[tuple[int, int, int]] = []  # (batch id, slices, job)
+        in_flight = [0] * len(jobs)
+        next_run = [0] * len(jobs)
+        failure, failed_job = "", 0
         wait = POLL_FIRST_S
-        i, n = 0, len(lengths)
         while True:
-            while not failure and i < n and (not pending or in_flight + _slices(lengths[i]) <= MAX_SLICES_IN_FLIGHT):
-                batch = submit(peer_address, [local[i]], [remote[i]], [lengths[i]])
-                if batch is None or batch < 0 or batch == 2**64 - 1:
-                    failure = f"the Transfer Engine refused a run ({batch})"
-                    break
-                pending.append((batch, _slices(lengths[i])))
-                in_flight += pending[-1][1]
-                i += 1
-            still, ended, status = self._poll_once(pending)
+            for j, (_, address, local, remote, lengths) in enumerate(jobs):
+                while not failure and next_run[j] < len(lengths) and (
+                        not in_flight[j] or in_flight[j] + _slices(lengths[next_run[j]]) <= MAX_SLICES_IN_FLIGHT):
+                    i = next_run[j]
+                    batch = submit(address, [local[i]], [remote[i]], [lengths[i]])
+                    if batch is None or batch < 0 or batch == 2**64 - 1:
+                        failure, failed_job = f"the Transfer Engine refused a run ({batch})", j
+                        break
+                    pending.append((batch, _slices(lengths[i]), j))
+                    in_flight[j] += pending[-1][1]
+                    next_run[j] += 1
+            still, ended, status, entry = self._poll_once(pending)
             if status is not None and not failure:
+                failed_job = entry[2]
                 failure = "transfer timed out" if status == TIMED_OUT else f"transfer failed (status {status})"
             if ended:
                 pending = still
-                in_flight = sum(s for _, s in pending)
+                in_flight = [sum(e[1] for e in pending if e[2] == j) for j in range(len(jobs))]
                 wait = POLL_FIRST_S
-            if not pending and (failure or i >= n):
+            left = sum(len(job[4]) - next_run[j] for j, job in enumerate(jobs))
+            if not pending and (failure or not left):
                 break
             if time.monotonic() >= deadline:
                 if pending:
-                    return Inflight(self, [b for b, _ in pending])
-                failure = failure or f"{n - i} of {n} runs not started by the deadline"
+                    return Inflight(self, [e[0] for e in pending])
+                failure = failure or f"{left} runs not started by the deadline"
                 break
             time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
             wait = min(POLL_MAX_S, wait * 2)
         if failure:
-            raise PeerTransferError(f"peer {peer} ({peer_address}): {failure}")
+            raise PeerTransferError(f"peer {jobs[failed_job][0]} ({jobs[failed_job][1]}): {failure}")
         return None
 
-    def _poll_once(self, pending: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], bool, int | None]:
-        """(still running, whether any ended, the status of a failed one or None)."""
-        still: list[tuple[int, int]] = []
-        failed = None
+    def _poll_once(self, pending: list[tuple]) -> tuple[list[tuple], bool, int | None, tuple | None]:
+        """(still running, whether any ended, the status of a failed one or None, that entry)."""
+        still: list[tuple] = []
+        failed, failed_entry = None, None
         for entry in pending:
             status = self._engine.transfer_check_status(entry[0])
             if status == RUNNING:
                 still.append(entry)
             elif status != DONE and failed is None:
-                failed = status
-        return still, len(still) != len(pending), failed
+                failed, failed_entry = status, entry
+        return still, len(still) != len(pending), failed, failed_entry
 
     def _poll_all(self, batch_ids: list[int], deadline: float) -> tuple[list[int], int | None]:
         """Poll until every batch ended or ``deadline``; (those still running, a failure status)."""
@@ -209,7 +222,7 @@ class TransferEngineEndpoint:
         failed = None
         wait = POLL_FIRST_S
         while True:
-            pending, _, status = self._poll_once(pending)
+            pending, _, status, _ = self._poll_once(pending)
             failed = failed if failed is not None else status
             if not pending or time.monotonic() >= deadline:
                 return [b for b, _ in pending], failed
