@@ -14,8 +14,10 @@ each rank sends its own result.  What the rank holds (device caches, swap space,
 version) is its ``RankResources``; the RL clear/restore (``rank.lifecycle``) drives those, never
 this process object.
 
-Liveness (``engine_watch``): the process exits by itself once the engine *process* is gone
-and only then removes the segments the engine can no longer unlink; a heartbeat that stops is
+Liveness (``engine_watch``): the process exits by itself once the engine *process* is gone (its
+``--engine_pid``, its parent, or the process at the queue link's other end, which is how a CTM
+FastDeploy launched through a shell sees its engine die) and only then removes the segments the
+engine can no longer unlink; a heartbeat that stops is
 logged and nothing more, since a paused engine keeps its caches.  SIGTERM gives a clean exit.
 A rank whose stream from the engine breaks for good (its local link closed, a frame lost) exits at
 once with ``STREAM_BROKEN_EXIT``, its in-flight I/O cut short: alive but mute, it would only let
@@ -37,7 +39,6 @@ from typing import Any
 
 import ops
 from ops.procs import open_private, private_dir
-from ops.shm import SharedMemorySegment
 from transfer_factory import StorageConfigError
 
 from cache_manager.queue import wire
@@ -54,12 +55,13 @@ from cache_manager.rank.peer_transfers import PeerTransfers
 from cache_manager.cache_tasks import (ControlTask, PullTask, PushTask, Outcome, RankResult, ReadStorageTask, SwapTask, TaskFormatError, task_deadline,
                           task_from_wire)
 from cache_manager.ctm_flags import NPU_COPY_ENGINE_DEFAULT, parse_args, spec_from_args
-from cache_manager.engine_watch import EngineGone, EngineWatch
+from cache_manager.engine_watch import EngineGone, EngineWatch, remove_engine_leftovers
 from cache_manager.rank.scheduler import TaskScheduler
 from cache_manager.rank.lifecycle import KvCacheLifecycle
 from cache_manager.queue.client import EngineCacheQueueClient
 from cache_manager.queue.session import STREAM_BROKEN_EXIT
-from cache_manager.ipc_signal import engine_ipc_suffix, signal_segment_name
+from cache_manager.queue.unix_address import ctm_queue_endpoint
+from cache_manager.ipc_signal import engine_ipc_suffix
 from cache_manager.layer_progress import LAYER_PROGRESS_SIGNAL
 from cache_manager.rank.layerwise_copy import RankLayerBoard, copy_layerwise, publishing
 from cache_manager.rank.resources import RankResources
@@ -110,8 +112,10 @@ def rank_logger(rank: int, log_dir: str) -> logging.Logger:
 
 
 class CacheTransferManager:
-    def __init__(self, args: argparse.Namespace, log: logging.Logger):
+    def __init__(self, args: argparse.Namespace, log: logging.Logger, queue_endpoint: str | None = None):
         self.args = args
+        # the queue: tcp://pod_ip:cache_queue_port, or the engine's Unix socket (``unix_address``)
+        self.queue_endpoint = queue_endpoint or f"tcp://{args.pod_ip}:{args.cache_queue_port}"
         self.log = log
         self.rank = args.rank
         self.spec = spec_from_args(args)
@@ -149,16 +153,15 @@ class CacheTransferManager:
         self.resources.alloc_swap()
         self.signals.attach(SWAP_SPACE_READY_SIGNAL, a.mp_num).value[self.rank] = 1
         self.resources.open_storage()
-        try:
-            self.signals.attach(WORKER_HEALTHY_LIVE_SIGNAL, 1)
-        except FileNotFoundError:
-            self.log.warning("no %s signal: watching the engine process only", WORKER_HEALTHY_LIVE_SIGNAL)
+        self._attach_heartbeat()
         try:
             self.signals.attach(KV_CACHE_STATUS_SIGNAL, 1)
         except FileNotFoundError:
             self.log.warning("no %s signal: RL cache clearing is off", KV_CACHE_STATUS_SIGNAL)
-        self.queue = EngineCacheQueueClient(self.rank, a.mp_num, wire.load_secret(),
-                                            f"tcp://{a.pod_ip}:{a.cache_queue_port}", hello_timeout=a.attach_timeout)
+        self.queue = EngineCacheQueueClient(self.rank, a.mp_num, wire.load_secret(), self.queue_endpoint,
+                                            hello_timeout=a.attach_timeout)
+        if self.queue.engine_pid is not None:  # however this CTM was launched, the engine's end is the engine
+            self.engine_watch.watch_engine(self.queue.engine_pid)
         init = lambda: self.platform.set_device(a.device_id)  # noqa: E731  (device binding is per thread)
         for kind, workers in (("swap_to_cpu", a.swap_threads), ("swap_to_gpu", a.swap_threads),
                               ("read_storage", 1), ("write_storage", 1), ("control", 1), ("pd_pull", 1), ("pd_push", 1)):
@@ -174,6 +177,16 @@ class CacheTransferManager:
         self.log.info("ready: rank %d of %d, pid %d", self.rank, a.mp_num, os.getpid())
 
     # -- liveness ---------------------------------------------------------------
+    def _attach_heartbeat(self) -> None:
+        # ours holds one word; FastDeploy's engine makes it min(8, TP) words (its value[0] is the beat)
+        for words in dict.fromkeys((1, min(8, self.args.mp_num), self.args.mp_num)):
+            try:
+                self.signals.attach(WORKER_HEALTHY_LIVE_SIGNAL, words)
+                return
+            except (FileNotFoundError, ValueError):
+                continue
+        self.log.warning("no usable %s signal: watching the engine process only", WORKER_HEALTHY_LIVE_SIGNAL)
+
     def _check_engine(self) -> None:
         self.engine_watch.check(self.signals.get(WORKER_HEALTHY_LIVE_SIGNAL))
 
@@ -335,15 +348,11 @@ class CacheTransferManager:
         self.layer_board.close()
 
     def _remove_orphans(self) -> None:
-        """The engine died without cleaning up, and nobody else can: unlink its segments.
-
-        Attached processes never unlink while the engine lives; once it is gone, every
-        rank removes what the engine left (idempotent, and mappings stay valid)."""
-        suffix = self.ipc_suffix
-        removed = self.platform.remove_orphans()
-        for name in PER_RANK_SIGNALS + (WORKER_HEALTHY_LIVE_SIGNAL, KV_CACHE_STATUS_SIGNAL, LAYER_PROGRESS_SIGNAL):
-            SharedMemorySegment.unlink_name(signal_segment_name(name, suffix))
-        self.log.warning("engine gone: removed its %d cache segments and its signals", len(removed))
+        """The engine died without cleaning up: remove what it left (``remove_engine_leftovers``).
+        Attached processes never unlink while the engine lives."""
+        remove_engine_leftovers(PER_RANK_SIGNALS + (WORKER_HEALTHY_LIVE_SIGNAL, KV_CACHE_STATUS_SIGNAL,
+                                                    LAYER_PROGRESS_SIGNAL),
+                                self.ipc_suffix, self.signals.get, self.platform.remove_orphans, self.log)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,12 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     log = rank_logger(args.rank, args.log_dir)
     try:
         wire.load_secret()
+        endpoint = ctm_queue_endpoint(args.pod_ip, args.cache_queue_port)  # as FastDeploy maps the port
     except (ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
     importlib.import_module("paddle")  # paddle installs fatal-error signal handlers on import: ours must come after
 
-    ctm = CacheTransferManager(args, log)
+    ctm = CacheTransferManager(args, log, endpoint)
 
     def install_handlers() -> None:
         signal.signal(signal.SIGTERM, lambda *_: ctm.stop_event.set())

@@ -1,7 +1,11 @@
 """Whether the engine a CTM serves is still there.
 
 The CTM exits once the engine *process* is gone: ``--engine_pid`` watched through a pidfd (which
-names the process itself, so a reused pid cannot fool it), else the parent.  A
+names the process itself, so a reused pid cannot fool it), else the parent; and, once the CTM joined
+the queue over its local link, the process the kernel names at the link's other end
+(``watch_engine``).  That last one is what ends a CTM FastDeploy launched: through
+``Popen(cmd, shell=True, preexec_fn=os.setsid)`` without an engine pid, its parent is a shell that
+outlives the engine.  A
 ``worker_healthy_live_signal`` that stops changing for ``FD_CACHE_PROC_EXIT_TIMEOUT`` seconds
 (on this process's monotonic clock, so wall-clock steps do not matter) is logged and nothing more:
 a paused engine (SIGSTOP, a debugger, swapped out) still owns its caches.
@@ -11,11 +15,15 @@ from __future__ import annotations
 import logging
 import os
 import select
+import shutil
 import time
+from typing import Callable, Mapping
 
 from ops.procs import pid_alive
 
-from cache_manager.ipc_signal import IPCSignal
+from cache_manager.ipc_signal import IPCSignal, signal_segment_names, unlink_if_same
+from cache_manager.queue.unix_address import private_dir_problem
+from cache_manager.queue.wire import SECRET_ENV, SECRET_FILE_ENV
 
 EXIT_TIMEOUT_ENV = "FD_CACHE_PROC_EXIT_TIMEOUT"
 
@@ -34,9 +42,37 @@ class EngineWatch:
         self._beat_value: int | None = None
         self._beat_seen = time.monotonic()
         self._beat_stale_logged = False
+        self._linked: tuple[int, int] | None = None  # (pid, pidfd or -1) of the engine behind the queue's link
+        self._linked_gone = False  # sticky: once gone, a later holder of its pid changes nothing
+
+    def watch_engine(self, pid: int) -> None:
+        """Also treat the end of process ``pid`` (the engine, as the queue's local link names it) as the
+        engine's.  Call it right after the link connected: the process is alive then, so the pidfd
+        opened here names it and not a later holder of its pid."""
+        if pid <= 0 or pid == self.engine_pid or self._linked is not None:
+            return
+        fd = -1
+        if hasattr(os, "pidfd_open"):
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self._linked, self._linked_gone = (pid, -1), True
+                return
+            except OSError:
+                fd = -1  # no pidfd here: the pid itself is watched
+        self._linked = (pid, fd)
+        self._log.info("watching engine process %d, the queue's end of the local link", pid)
+
+    def _linked_exited(self) -> bool:
+        if self._linked is not None and not self._linked_gone:
+            pid, fd = self._linked
+            self._linked_gone = bool(select.select([fd], [], [], 0)[0]) if fd >= 0 else not pid_alive(pid)
+        return self._linked_gone
 
     def engine_exited(self) -> bool:
         """True once the engine process is gone."""
+        if self._linked_exited():
+            return True
         if self.engine_pid is None:
             return os.getppid() != self.parent_pid
         if self._fd is None and hasattr(os, "pidfd_open"):
@@ -54,6 +90,8 @@ class EngineWatch:
         """Raise ``EngineGone`` if the engine process is gone; log a heartbeat that stopped or resumed."""
         if self.engine_exited():
             who = f"engine process {self.engine_pid}" if self.engine_pid else f"parent {self.parent_pid}"
+            if self._linked_gone:
+                who = f"engine process {self._linked[0]} (the queue's end of the local link)"
             raise EngineGone(f"{who} is gone")
         if heartbeat is None:
             return
@@ -69,3 +107,35 @@ class EngineWatch:
                               "process is alive: keeping its caches and serving on", now - self._beat_seen,
                               EXIT_TIMEOUT_ENV, self.exit_timeout)
             self._beat_stale_logged = True
+
+
+# The signals a CTM knows of its engine besides those it attaches: FastDeploy's PrefixCacheManager's
+# (the engine's ``prefix_tree_status``; its own pause, in-flight and broadcast flags).
+ENGINE_CACHE_SIGNALS = ("prefix_tree_status", "cache_task_broadcast_signal", "cache_task_is_paused",
+                        "cache_task_inflight")
+QUEUE_DIR_PREFIX = "ctm-queue-"  # ``engine_hooks.queue_secret.SecretFile``'s directories
+
+
+def remove_engine_leftovers(names: tuple[str, ...], suffix: object, attached: Callable[[str], IPCSignal | None],
+                            remove_platform: Callable[[], list[str]], log: logging.Logger,
+                            environ: Mapping[str, str] | None = None) -> None:
+    """The engine is gone without cleaning up, and nobody else can: unlink its segments.
+
+    The platform's (``remove_platform``), every name of each signal in ``names`` and
+    ``ENGINE_CACHE_SIGNALS`` (ours and FastDeploy's, ``signal_segment_names``; an attached one only
+    while it is still the segment attached, so an engine restarted on the same port keeps its new
+    ones), and the queue's private directory (secret file, Unix socket) the CTM was handed.  Only
+    our own uid's files go; every rank may run this at once (each step is idempotent)."""
+    removed = remove_platform()
+    signals = 0
+    for name in names + ENGINE_CACHE_SIGNALS:
+        sig = attached(name)
+        for segment in signal_segment_names(name, suffix):
+            known = sig.identity if sig is not None and sig.segment_name == segment else None
+            signals += unlink_if_same(segment, known)
+    env = os.environ if environ is None else environ
+    secret_file = None if env.get(SECRET_ENV) else env.get(SECRET_FILE_ENV)  # only the file our secret came from
+    directory = os.path.dirname(os.path.abspath(secret_file)) if secret_file else None
+    if directory and os.path.basename(directory).startswith(QUEUE_DIR_PREFIX) and private_dir_problem(directory) is None:
+        shutil.rmtree(directory, ignore_errors=True)
+    log.warning("engine gone: removed its %d cache segments and %d signals", len(removed), signals)

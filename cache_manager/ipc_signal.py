@@ -12,9 +12,16 @@ segment ``ctm.<port>.<token>.<name>`` (the suffix ``ipc_suffix(port, token)``), 
 included (the platform's instance); it hands the token to its CTMs in ``CTM_IPC_TOKEN`` (the
 environment: command lines are readable by every user).  A CTM started without it (FastDeploy's own
 engine) keeps the port-only names and logs that they are predictable (``engine_ipc_suffix``).
+
+Port-only names.  FastDeploy names a signal ``<name>.<port>`` (its ``IPCSignal``; this project's
+drop-in for the engine side is ``engine_hooks.fastdeploy_signals``); this module creates
+``ctm.<name>.<port>``.  A process attaching with a bare port takes FastDeploy's name if it is there
+(and ours), else ours (``signal_segment_names``), so a CTM serves either engine unchanged.  Another
+user's segment under either name is never attached.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -23,7 +30,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ops.shm import SharedMemorySegment
+from ops.shm import SHM_DIR, SharedMemorySegment
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +78,37 @@ def signal_segment_name(name: str, suffix: object | None) -> str:
     return f"{SIGNAL_PREFIX}{name}.{suffix}"
 
 
+def fastdeploy_segment_name(name: str, suffix: object | None) -> str:
+    """FastDeploy's name for a signal: ``<name>.<suffix>`` (``name`` alone without a suffix)."""
+    return name if suffix is None else f"{name}.{suffix}"
+
+
+def signal_segment_names(name: str, suffix: object | None) -> tuple[str, ...]:
+    """The names an attaching process tries, in order: with a token only ours; with a bare port
+    FastDeploy's ``<name>.<port>`` first, then ours ``ctm.<name>.<port>``."""
+    ours = signal_segment_name(name, suffix)
+    if suffix is None or _TOKENED_SUFFIX_RE.match(str(suffix)):
+        return (ours,)
+    return (fastdeploy_segment_name(name, suffix), ours)
+
+
+def segment_identity(segment_name: str) -> tuple[int, int] | None:
+    """(device, inode) of the segment now under ``segment_name``, or None if there is none."""
+    try:
+        info = os.lstat(os.path.join(SHM_DIR, segment_name))
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def unlink_if_same(segment_name: str, identity: tuple[int, int] | None) -> bool:
+    """Unlink ``segment_name`` if it is ours and still the segment ``identity`` names (or, for None, any
+    segment of ours): an engine restarted on the same port has new segments, which stay."""
+    if identity is not None and segment_identity(segment_name) != identity:
+        return False
+    return SharedMemorySegment.unlink_name(segment_name)
+
+
 class IPCSignal:
     """A shared numpy array; ``value`` is a live view of the segment.
 
@@ -95,7 +133,8 @@ class IPCSignal:
         if create:
             self._segment = SharedMemorySegment(self.segment_name, template.nbytes, create=True)
         else:
-            self._segment = SharedMemorySegment(self.segment_name)
+            self._segment = self._attach(signal_segment_names(name, suffix))
+            self.segment_name = self._segment.name
             if self._segment.size != template.nbytes:
                 size = self._segment.size
                 self._segment.close()
@@ -106,6 +145,24 @@ class IPCSignal:
         self.value = np.ndarray(template.shape, dtype=template.dtype, buffer=self._segment.buf)
         if create:
             self.value[:] = template
+        # which segment this is, so that only it (never a successor under the name) is removed later
+        self.identity = segment_identity(self.segment_name)
+
+    @staticmethod
+    def _attach(names: tuple[str, ...]) -> SharedMemorySegment:
+        """The first of ``names`` that is a segment of ours.  Another user's is skipped (and named if
+        none of ours is there); ``FileNotFoundError`` names them all when none exists."""
+        refused: PermissionError | None = None
+        for name in names:
+            try:
+                return SharedMemorySegment(name)
+            except FileNotFoundError:
+                continue
+            except PermissionError as exc:
+                refused = refused or exc
+        if refused is not None:
+            raise refused
+        raise FileNotFoundError(errno.ENOENT, f"no shared-memory segment {' or '.join(map(repr, names))}")
 
     def close(self) -> None:
         """Detach this process's view (the segment stays)."""

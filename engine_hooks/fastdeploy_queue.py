@@ -3,7 +3,9 @@ HMAC frames; never pickle).  The contract is in README.md, "Adopting from FastDe
 
 * ``is_server=True`` hosts one ``EngineCacheQueueServer``, one ``TaskTracker`` and the engine's
   ``Supervisor`` (deadlines, pumping, CTM deaths through pidfds on the pids the ranks announce when
-  they join); ``is_server=False`` is a handle on the server of that port in this process.
+  they join); ``is_server=False`` is a handle on the server of that port (or path) in this process.
+* ``address`` is ``(host, port)`` or FastDeploy's Unix-socket path ``/dev/shm/fd_task_queue_<port>.sock``,
+  a name only: the socket is in the queue's private directory (``fastdeploy_address``).
   ``local_data_parallel_size > 1`` is refused.  FastDeploy's task tuples are parsed in
   ``fastdeploy_tasks``.
 * Secret: HKDF-SHA256 of ``authkey`` under a random salt per queue (``queue_secret``), random (with a
@@ -29,6 +31,9 @@ from cache_manager.queue import wire
 from cache_manager.queue.server import EngineCacheQueueServer
 from ops.procs import pid_alive
 
+from cache_manager.queue.unix_address import note_requested_path, private_socket_path
+
+from .fastdeploy_address import parse_address
 from .fastdeploy_tasks import Entry, parse_transfer_task
 from .queue_secret import SECRET_LABEL, SecretFile, derive_secret, new_salt
 from .supervisor import Supervisor
@@ -39,7 +44,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_AUTHKEY = b"cache_queue_service"  # FastDeploy's fixed default: public, so never a secret
 SECRET_CONTEXT = SECRET_LABEL  # the HKDF label (``queue_secret``)
 MAX_FAILED_KEPT = 10_000
-_servers: "weakref.WeakValueDictionary[int, _Core]" = weakref.WeakValueDictionary()  # port -> server here
+# port, or requested Unix-socket path -> the server in this process
+_servers: "weakref.WeakValueDictionary[int | str, _Core]" = weakref.WeakValueDictionary()
 
 
 def queue_secret(authkey: bytes | str, salt: bytes | None = None) -> tuple[bytes, bool]:
@@ -75,7 +81,7 @@ class _Core:
     """The server side: queue, tracker, supervisor, done signals.  Every handle of a port shares it."""
 
     def __init__(self, host: str, port: int, num_client: int, secret: bytes, task_timeout: float,
-                 storage_grace: float, ready_timeout: float):
+                 storage_grace: float, ready_timeout: float, ipc_path: str | None = None):
         self.tp, self.secret = num_client, secret
         self.secret_file: SecretFile | None = None  # the owner's, for the CTMs (set once the server is up)
         self.task_timeout, self.storage_grace, self.ready_timeout = task_timeout, storage_grace, ready_timeout
@@ -91,7 +97,8 @@ class _Core:
         self._supervisor = Supervisor(self._joined_processes, self.tracker, self._pump, self._rank_gone,
                                       name="fd-cache-queue-supervisor")
         self.server = EngineCacheQueueServer(num_client, secret, host=host, port=port,
-                                             on_result=self.tracker.on_result, on_rank_joined=self._joined)
+                                             on_result=self.tracker.on_result, on_rank_joined=self._joined,
+                                             ipc_path=ipc_path)
         self._supervisor.start()
 
     # -- submission -------------------------------------------------------------
@@ -226,7 +233,7 @@ class _Core:
         self._supervisor.stop(5.0)
         self.tracker.close()
         self.server.close()
-        logger.info("EngineCacheQueue on port %d closed", self.server.port)
+        logger.info("EngineCacheQueue on %s closed", self.server.address)
 
 
 class EngineCacheQueue:
@@ -236,46 +243,58 @@ class EngineCacheQueue:
     (added to a storage task's own ``timeout`` for the ranks' answers to arrive) and
     ``ready_timeout`` (how long the first ``put_transfer_task`` waits for every rank to join)."""
 
-    def __init__(self, address: tuple[str, int] = ("127.0.0.1", 56666), authkey: bytes = DEFAULT_AUTHKEY,
+    def __init__(self, address: tuple[str, int] | str = ("127.0.0.1", 56666), authkey: bytes = DEFAULT_AUTHKEY,
                  is_server: bool = False, num_client: int = 1, client_id: int = -1,
                  local_data_parallel_size: int = 1, local_data_parallel_id: int = 0, *,
                  task_timeout: float = 30.0, storage_grace: float = 5.0, ready_timeout: float = 60.0):
         if local_data_parallel_size != 1 or local_data_parallel_id != 0:
             raise ValueError(f"local_data_parallel_size {local_data_parallel_size} / id {local_data_parallel_id}: "
                              "only one data-parallel group per queue is supported; give each engine its own queue")
-        if not isinstance(address, (tuple, list)) or len(address) != 2 or not isinstance(address[1], int) \
-                or not 0 <= address[1] < 65536 or not isinstance(num_client, int) or num_client < 1:
-            raise ValueError(f"address {address!r} must be (host, port), num_client {num_client!r} the TP size")
+        addr = parse_address(address)
+        if isinstance(num_client, bool) or not isinstance(num_client, int) or num_client < 1:
+            raise ValueError(f"num_client {num_client!r} must be the TP size, a positive integer")
         if not 0 < task_timeout < 1e6 or not 0 <= storage_grace < 3600 or not 0 <= ready_timeout < 1e6:
             raise ValueError(f"task_timeout {task_timeout!r}, storage_grace {storage_grace!r} or ready_timeout "
                              f"{ready_timeout!r} out of range")
         self.is_server, self.num_client, self.client_id, self._owner = is_server, num_client, client_id, is_server
+        self._key: int | str = addr.key
+        self._unix = addr.unix
         if not is_server:
-            core = _servers.get(address[1])
+            core = _servers.get(addr.key)
             if core is None or core.tp != num_client:
+                where = f"at {addr.unix}" if addr.unix else f"on port {addr.port}"
                 raise RuntimeError(
-                    f"EngineCacheQueue(is_server=False) on port {address[1]}: no server of {num_client} ranks "
+                    f"EngineCacheQueue(is_server=False) {where}: no server of {num_client} ranks "
                     "in this process.  CTMs connect with their own client (`python -m "
                     "cache_manager.cache_transfer_manager`); an engine-side handle must live in the process "
                     "that created the server (is_server=True)")
             self._core = core
-            self.address = (address[0], core.server.port)
+            self.address = addr.unix or (addr.host, core.server.port)
             return
+        if addr.unix is not None and _servers.get(addr.key) is not None:
+            raise RuntimeError(f"EngineCacheQueue at {addr.unix}: this process already serves a queue there; "
+                               "close it first or use another cache_queue_port")
         secret, derived = queue_secret(authkey)
         if not derived:
             logger.warning("EngineCacheQueue: authkey is FastDeploy's public default (or empty); using a random "
                            "queue secret, passed to the CTMs in the file named by %s", wire.SECRET_FILE_ENV)
         secret_file = SecretFile(secret)
         try:
-            self._core = _Core(address[0], address[1], num_client, secret, task_timeout, storage_grace,
-                               ready_timeout)
+            ipc_path = None
+            if addr.unix is not None:  # the socket goes beside the secret, in the queue's private directory
+                note_requested_path(addr.unix)
+                ipc_path = private_socket_path(addr.unix, secret_file.directory)
+            self._core = _Core(addr.host, addr.port, num_client, secret, task_timeout, storage_grace,
+                               ready_timeout, ipc_path)
         except BaseException:
             secret_file.close()
             raise
         self._core.secret_file = secret_file
         secret_file.export()  # the CTMs this engine launches inherit the file's path, not the secret
-        _servers[self._core.server.port] = self._core
-        self.address = (address[0], self._core.server.port)
+        if addr.unix is None:
+            self._key = self._core.server.port
+        _servers[self._key] = self._core
+        self.address = addr.unix or (addr.host, self._core.server.port)
         logger.info("EngineCacheQueue server for %d ranks on %s", num_client, self._core.server.address)
 
     # -- FastDeploy's API ------------------------------------------------------------
@@ -309,6 +328,9 @@ class EngineCacheQueue:
         """The port the server listens on (the one picked when ``address`` gave port 0)."""
         if not self.is_server:
             raise RuntimeError("Only the server instance can provide the port.")
+        if self._unix is not None:
+            raise RuntimeError(f"this queue serves the Unix-socket address {self._unix}, which has no port: CTMs "
+                               "find it with the --cache_queue_port its name carries")
         return self._core.server.port
 
     # -- ours -----------------------------------------------------------------------------
@@ -333,8 +355,8 @@ class EngineCacheQueue:
         """Stop the supervisor, fail what is pending (no signal is delivered any more) and close the
         server.  Idempotent; a handle that is not the server's owner only lets go of it."""
         if self._owner:
-            if _servers.get(self._core.server.port) is self._core:
-                del _servers[self._core.server.port]
+            if _servers.get(self._key) is self._core:
+                del _servers[self._key]
             self._core.close()
             self._core.secret_file.close()
 

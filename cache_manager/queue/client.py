@@ -74,6 +74,7 @@ class EngineCacheQueueClient:
         self._broken: str | None = None  # why the stream from the engine broke for good
         self.link_closed = False  # the break is a closed connection, as the engine's own end would cause
         self.shared_clock = False  # whether the engine reads our CLOCK_MONOTONIC (settled by the welcome)
+        self.engine_pid: int | None = None  # the engine process behind the local link (SO_PEERCRED), if any
         self._sent_control = 0
         self._control_lock = threading.Lock()
         self._thread_local = threading.local()
@@ -112,7 +113,9 @@ class EngineCacheQueueClient:
                 self._send_control({"type": "ready"})
                 task_port, path = welcome
                 if not (path and self._open_local_link(path)):
-                    self._open_task_channel(address.rsplit(":", 1)[0], task_port)
+                    # a Unix-socket queue's ranks share the engine's host: its task port is on loopback
+                    host = "tcp://127.0.0.1" if address.startswith("ipc://") else address.rsplit(":", 1)[0]
+                    self._open_task_channel(host, task_port)
                 return
         self.close()
         raise TimeoutError(f"rank {self.rank}: no answer from the engine cache queue at {address} within {timeout}s")
@@ -145,6 +148,11 @@ class EngineCacheQueueClient:
             logger.info("rank %d: no local link at %r (%s): tasks come on the task port", self.rank, path,
                         exc.strerror)
             return False
+        try:  # the kernel's word on who listens there: the engine process, which the CTM then watches
+            pid, uid = local_link.peer_credentials(link.sock)
+            self.engine_pid = pid if uid == os.geteuid() and pid > 0 else None
+        except OSError:
+            self.engine_pid = None
         link.send(wire.encode({"type": "hello", "channel": "tasks"}, self._secret, self._session,
                               stream(TASKS, UP), 0))
         self._local, self._local_sent = link, 1

@@ -66,9 +66,12 @@ class EngineCacheQueueServer:
         on_rank_joined: Callable[[int, int], None] | None = None,
         local_links: bool = True,
         on_rank_broken: Callable[[int, int, str], None] | None = None,
+        ipc_path: str | None = None,
     ):
         """``on_rank_broken(rank, pid, why)``: a live rank's stream broke for good (``session.Registry.broke``);
-        called once per session, under the server's lock, on any of its threads: it must only hand off."""
+        called once per session, under the server's lock, on any of its threads: it must only hand off.
+        ``ipc_path``: listen on this Unix socket (in a private directory: ``unix_address``) instead of
+        ``host:port``; the task port for ranks elsewhere then binds loopback."""
         if num_ranks < 1:
             raise ValueError(f"num_ranks {num_ranks} must be at least 1")
         self.num_ranks = num_ranks
@@ -84,7 +87,12 @@ class EngineCacheQueueServer:
         # reads cannot grow the engine's memory; ROUTER_MANDATORY turns a full pipe into an error.
         socket_options(self._router, rcvhwm=1000, sndhwm=1000, max_frame=MAX_RESULT_FRAME_BYTES)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if port == 0:
+        self.ipc_path = ipc_path
+        if ipc_path is not None:
+            host = "127.0.0.1"  # every rank of a Unix-socket queue is on this host
+            self._router.bind(f"ipc://{ipc_path}")
+            self.port = 0
+        elif port == 0:
             self.port = self._router.bind_to_random_port(f"tcp://{host}")
         else:
             self._router.bind(f"tcp://{host}:{port}")
@@ -114,7 +122,7 @@ class EngineCacheQueueServer:
     # -- engine-facing API (any thread) ---------------------------------------
     @property
     def address(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        return f"ipc://{self.ipc_path}" if self.ipc_path is not None else f"tcp://{self.host}:{self.port}"
 
     @property
     def task_port(self) -> int:

@@ -1,0 +1,89 @@
+"""A FastDeploy engine that dies takes the CTMs it launched with it, however they were launched:
+FastDeploy starts them through a shell, ``Popen(cmd, shell=True, preexec_fn=os.setsid)``, with no
+engine pid, so a CTM's parent is a shell that outlives the engine.  The CTM watches the process at
+the other end of its queue link instead (the kernel's peer credentials, a pidfd), and removes what
+the dead engine left in /dev/shm.  A paused engine keeps them all."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from engine_hooks.launcher import REPO_ROOT
+
+# The engine: FastDeploy's Unix-socket queue and signal names, two CTMs launched as FastDeploy does.
+ENGINE = textwrap.dedent("""
+    import json, os, sys, time
+    from tests.fastdeploy_engine import FastDeployEngine
+    engine = FastDeployEngine(tp=2, unix_socket=True, fastdeploy_signals=True)
+    for rank in range(2):
+        engine.launch_like_fastdeploy(rank)
+    engine.wait_ready([0, 1], 60)
+    print(json.dumps({"port": engine.port, "shells": [s.pid for s in engine.shells],
+                      "ctms": [p.pid for p in engine.queue._core._joined_processes().values()],
+                      "queue_dir": os.path.dirname(engine.queue.server.ipc_path)}), flush=True)
+    time.sleep(120)  # until the test kills it
+""")
+
+
+def running(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting for a reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def segments_of(port: int) -> list[str]:
+    """Every /dev/shm name of the engine on ``port``: its caches (``ctm.<port>.``) and its signals,
+    under FastDeploy's names (``<name>.<port>``) or ours (``ctm.<name>.<port>``)."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"ctm.{port}.") or n.endswith(f".{port}"))
+
+
+def test_a_killed_engine_takes_its_shell_launched_ctms_and_leaves_nothing_in_dev_shm(tmp_path):
+    err = open(tmp_path / "engine.err", "wb")
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE], stdout=subprocess.PIPE, stderr=err, text=True,
+                              env={**os.environ, "PYTHONPATH": REPO_ROOT, "CTM_LOG_DIR": str(tmp_path)},
+                              cwd=REPO_ROOT)
+    info = None
+    try:
+        line = engine.stdout.readline()
+        assert line, (tmp_path / "engine.err").read_text()[-3000:]
+        info = json.loads(line)
+        procs = info["shells"] + info["ctms"]
+        assert len(procs) == 4 and all(running(p) for p in procs)
+        before = segments_of(info["port"])
+        assert len(before) > 10 and f"cache_ready_signal.{info['port']}" in before
+
+        engine.send_signal(signal.SIGSTOP)  # paused, not dead: everything stays
+        time.sleep(1.5)
+        assert all(running(p) for p in procs), "a CTM left a paused engine"
+        assert segments_of(info["port"]) == before, "a paused engine's segments were removed"
+        engine.send_signal(signal.SIGCONT)
+
+        engine.send_signal(signal.SIGKILL)
+        engine.wait(10)
+        killed = time.monotonic()
+        while any(running(p) for p in procs) and time.monotonic() - killed < 10:
+            time.sleep(0.05)
+        gone_after = time.monotonic() - killed
+        assert not any(running(p) for p in procs), f"still running 10 s after the engine died: " \
+            f"{[p for p in procs if running(p)]}"
+        assert gone_after < 5, f"the CTMs took {gone_after:.1f}s to follow their engine"
+        assert segments_of(info["port"]) == [], "the dead engine's segments were left in /dev/shm"
+        assert not os.path.exists(info["queue_dir"]), "the dead engine's queue directory was left"
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(10)
+        for pid in (info["shells"] if info else []):  # each in its own session: its group is the shell's pid
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        err.close()
