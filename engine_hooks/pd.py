@@ -4,7 +4,8 @@
 
 - ``descriptor(offer)``: this instance's descriptor, one ``PeerDescriptor`` per rank (the ranks
   build them: only a rank knows where its memory is mapped).  ``offer`` names the transports to
-  offer: ``ipc`` (same host, no port) by default; ``mooncake`` opens the ranks' Transfer Engines.
+  offer: ``ipc`` (same host, no port) and ``datadist`` (LLM-DataDist: only ranks on the NPU
+  platform with CANN's SDK offer it) by default; ``mooncake`` opens the ranks' Transfer Engines.
 - ``link(peer)`` / ``unlink(peer_id)`` (``link_clusters``): every rank checks the peer ranks'
   layouts against its own, refusing with the first field that differs, and opens the transport
   both offer (or ``transport=`` if forced) to each peer rank it exchanges heads with: the rank of
@@ -41,7 +42,8 @@ from .wire_tasks import block_ids
 
 logger = logging.getLogger(__name__)
 
-TRANSPORT_CHOICES = ("auto", "ipc", "mooncake")
+TRANSPORT_CHOICES = ("auto", "ipc", "datadist", "mooncake")
+DEFAULT_OFFER = ("ipc", "datadist")  # each rank offers what its platform can: ipc on CPU, datadist on NPU
 
 
 class PrefillDecode:
@@ -59,7 +61,7 @@ class PrefillDecode:
         self._closed = False
 
     # ------------------------------------------------------------------ descriptors and links
-    def descriptor(self, offer: Sequence[str] = ("ipc",)) -> dict:
+    def descriptor(self, offer: Sequence[str] = DEFAULT_OFFER) -> dict:
         """This instance's descriptor: ``{"instance_id", "tp", "ranks": [one per rank]}``."""
         bad = [t for t in offer if t not in TRANSPORT_CHOICES[1:]]
         if bad:
@@ -79,7 +81,7 @@ class PrefillDecode:
             raise ValueError("a peer descriptor is a map with a non-empty list of 'ranks'")
         if peer.get("tp") != len(peer["ranks"]):
             raise ValueError(f"peer descriptor tp {peer.get('tp')!r} but {len(peer['ranks'])} ranks")
-        wanted = offer or (["ipc", "mooncake"] if transport == "mooncake" else ["ipc"])
+        wanted = offer or (["ipc", "mooncake"] if transport == "mooncake" else list(DEFAULT_OFFER))
         local = self.descriptor(wanted)
         answers = self._control("pd_link", local=local["ranks"], peer=peer["ranks"],
                                 transport=None if transport == "auto" else transport)

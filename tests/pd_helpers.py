@@ -2,6 +2,9 @@
 linked in this process (``instance_pair``), and one in a child process for tests that kill or stop
 it for real (``PeerInstance``, ``child_instance``).
 
+``npu_instance_pair`` is ``instance_pair`` on ``--platform npu`` over the pyACL and LLM-DataDist
+stand-ins; ``fill_any``/``blocks_any`` fill and read caches on either platform.
+
 The child starts a ``CacheTransferService`` and its ``PrefillDecode`` side, fills its caches with
 seeded random bytes, and answers JSON commands on stdin, one per line: ``descriptor``, ``link``,
 ``expose``, ``retract``, ``receive_push`` and ``push_state`` (decode side), ``push`` and
@@ -163,6 +166,48 @@ def instance_pair(spec, **service_args) -> Iterator[tuple]:
     with local_instance(spec, "prefill-0", **service_args) as (p_svc, p), \
             local_instance(spec, "decode-0", **service_args) as (d_svc, d):
         yield p_svc, d_svc, p, d
+
+
+@contextlib.contextmanager
+def npu_instance_pair(spec, tmp_dir, **service_args) -> Iterator[tuple]:
+    """``instance_pair`` on ``--platform npu`` over the pyACL and LLM-DataDist stand-ins (importable
+    here and in the CTMs, sharing ``tmp_dir`` as $ACL_STANDIN_DIR): the ranks offer ``datadist``."""
+    import pytest
+
+    from tests.npu_helpers import STANDINS, forget_standin_modules
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(STANDINS)
+        mp.setenv("ACL_STANDIN_DIR", str(tmp_dir))
+        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (STANDINS, os.environ.get("PYTHONPATH")) if p))
+        try:
+            with instance_pair(spec, platform="npu", **service_args) as instances:
+                yield instances
+        finally:
+            forget_standin_modules()
+
+
+def fill_any(svc, seed: int) -> None:
+    """Random bytes in every cache, on either platform (NPU device memory only by copy)."""
+    if svc.platform.name == "npu":
+        from tests.npu_helpers import fill
+
+        fill(svc, seed)
+    else:
+        from tests.service_helpers import fill_distinct
+
+        fill_distinct(svc, seed)
+
+
+def blocks_any(svc, ids) -> dict:
+    """(rank, kind, layer) -> a copy of blocks ``ids``, on either platform."""
+    if svc.platform.name == "npu":
+        from tests.npu_helpers import blocks
+
+        return blocks(svc, ids)
+    from tests.service_helpers import block_bytes
+
+    return block_bytes(svc, ids)
 
 
 @contextlib.contextmanager

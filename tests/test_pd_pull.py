@@ -1,12 +1,13 @@
 """Prefill/decode pulls between two real engine instances on this host (DESIGN §3.11): each a
 service with its own CTMs at TP=2, linked over the same-host path or the Mooncake Transfer Engine
-over TCP; every pulled block bit-exact on every rank, kind and layer."""
+over TCP, or (``--platform npu`` over the pyACL and LLM-DataDist stand-ins) over LLM-DataDist; every
+pulled block bit-exact on every rank, kind and layer."""
 import numpy as np
 import pytest
 
 from cache_manager.cache_spec import CacheSpec
 from engine_hooks.errors import TaskFailedError
-from tests.pd_helpers import instance_pair
+from tests.pd_helpers import blocks_any, fill_any, instance_pair, npu_instance_pair
 from tests.service_helpers import block_bytes, fill_distinct
 
 SPEC = CacheSpec(num_layers=4, num_blocks=32, kv_heads=2, block_size=4, head_dim=8)
@@ -18,33 +19,45 @@ def pair():
         yield instances
 
 
-@pytest.mark.parametrize("transport", ["ipc", "mooncake"])
-def test_a_pull_copies_every_block_bit_exact_on_every_rank(pair, transport):
-    p_svc, d_svc, p, d = pair
-    fill_distinct(p_svc, seed=41)
-    fill_distinct(d_svc, seed=42)
-    offer = ["ipc", "mooncake"] if transport == "mooncake" else ["ipc"]
-    assert p.link(d.descriptor(offer), transport=transport) == transport
-    assert d.link(p.descriptor(offer), transport=transport) == transport
+@pytest.fixture(scope="module")
+def npu_pair(tmp_path_factory):
+    with npu_instance_pair(SPEC, tmp_path_factory.mktemp("acl"), num_cpu_blocks=8) as instances:
+        yield instances
+
+
+def pair_for(request, transport):
+    """The CPU pair, or the NPU pair for LLM-DataDist (the transport NPU ranks offer)."""
+    return request.getfixturevalue("npu_pair" if transport == "datadist" else "pair")
+
+
+@pytest.mark.parametrize("transport", ["ipc", "mooncake", "datadist"])
+def test_a_pull_copies_every_block_bit_exact_on_every_rank(request, transport):
+    p_svc, d_svc, p, d = pair_for(request, transport)
+    fill_any(p_svc, seed=41)
+    fill_any(d_svc, seed=42)
+    offer = ["ipc", "mooncake"] if transport == "mooncake" else None
+    chosen = "auto" if transport == "datadist" else transport  # NPU ranks: chosen by capability
+    assert p.link(d.descriptor(offer or ["ipc", "datadist"]), transport=chosen) == transport
+    assert d.link(p.descriptor(offer or ["ipc", "datadist"]), transport=chosen) == transport
     src, dst = [3, 4, 5, 9], [10, 2, 3, 7]
-    want = block_bytes(p_svc, src)
-    before = block_bytes(d_svc, range(d_svc.spec.num_blocks))
+    want = blocks_any(p_svc, src)
+    before = blocks_any(d_svc, range(d_svc.spec.num_blocks))
     handle = p.expose("req-1")
     assert d.pull_blocks("prefill-0", handle, src, dst).result(timeout=20) == dst
-    got = block_bytes(d_svc, dst)
+    got = blocks_any(d_svc, dst)
     for key in want:
         assert np.array_equal(got[key], want[key]), f"{key} differs after the pull"
-    after = block_bytes(d_svc, range(d_svc.spec.num_blocks))
+    after = blocks_any(d_svc, range(d_svc.spec.num_blocks))
     untouched = [b for b in range(d_svc.spec.num_blocks) if b not in dst]
     for key in before:
         assert np.array_equal(after[key][untouched], before[key][untouched]), f"{key}: a block outside dst changed"
     assert p.retract(handle)
 
 
-@pytest.mark.parametrize("transport", ["ipc", "mooncake"])
-def test_a_retracted_handle_is_refused_and_nothing_counts(pair, transport):
-    p_svc, d_svc, p, d = pair
-    d.link(p.descriptor(["ipc", "mooncake"]), transport=transport)
+@pytest.mark.parametrize("transport", ["ipc", "mooncake", "datadist"])
+def test_a_retracted_handle_is_refused_and_nothing_counts(request, transport):
+    p_svc, d_svc, p, d = pair_for(request, transport)
+    d.link(p.descriptor(["ipc", "datadist", "mooncake"]), transport=transport)
     handle = p.expose("req-2")
     assert p.retract(handle)
     with pytest.raises(TaskFailedError, match="no longer exposed"):
@@ -75,36 +88,38 @@ def test_a_layout_that_differs_is_refused_at_link_naming_the_field(pair):
         d.link(peer)
 
 
-def test_a_pull_into_host_swap_space_then_swapped_in_is_bit_exact(pair):
-    p_svc, d_svc, p, d = pair
-    fill_distinct(p_svc, seed=43)
-    d.link(p.descriptor(), transport="ipc")
+@pytest.mark.parametrize("transport", ["ipc", "datadist"])
+def test_a_pull_into_host_swap_space_then_swapped_in_is_bit_exact(request, transport):
+    p_svc, d_svc, p, d = pair_for(request, transport)
+    fill_any(p_svc, seed=43)
+    d.link(p.descriptor(), transport=transport)
     src, slots, dst = [1, 2, 6], [5, 6, 7], [20, 21, 22]
-    want = block_bytes(p_svc, src)
+    want = blocks_any(p_svc, src)
     handle = p.expose("req-host")
     try:
         assert d.pull_blocks("prefill-0", handle, src, slots, placement="host").result(timeout=20) == slots
     finally:
         p.retract(handle)
     d_svc.swap_to_gpu(dst, slots).result(timeout=20)
-    got = block_bytes(d_svc, dst)
+    got = blocks_any(d_svc, dst)
     for key in want:
         assert np.array_equal(got[key], want[key]), f"{key} differs after pull to host and swap-in"
 
 
-def test_a_layer_range_pull_touches_only_those_layers(pair):
-    p_svc, d_svc, p, d = pair
-    fill_distinct(p_svc, seed=44)
-    fill_distinct(d_svc, seed=45)
-    d.link(p.descriptor(), transport="ipc")
+@pytest.mark.parametrize("transport", ["ipc", "datadist"])
+def test_a_layer_range_pull_touches_only_those_layers(request, transport):
+    p_svc, d_svc, p, d = pair_for(request, transport)
+    fill_any(p_svc, seed=44)
+    fill_any(d_svc, seed=45)
+    d.link(p.descriptor(), transport=transport)
     src, dst = [8, 9], [11, 12]
-    want, before = block_bytes(p_svc, src), block_bytes(d_svc, dst)
+    want, before = blocks_any(p_svc, src), blocks_any(d_svc, dst)
     handle = p.expose("req-layers")
     try:
         d.pull_blocks("prefill-0", handle, src, dst, layers=(1, 3)).result(timeout=20)
     finally:
         p.retract(handle)
-    got = block_bytes(d_svc, dst)
+    got = blocks_any(d_svc, dst)
     for (rank, kind, layer), value in got.items():
         expect = want if 1 <= layer < 3 else before
         assert np.array_equal(value, expect[(rank, kind, layer)]), f"rank {rank} {kind} layer {layer}"

@@ -1,13 +1,13 @@
 """Layer-wise push between two real engine instances on this host (DESIGN §3.11, LLM-DataDist's
 ``push_cache``): the prefill ranks write each layer as the engine says it is computed, and the
-decode engine's ``wait_for_layer(i)`` returns once layer i landed on every rank, bit-exact."""
+decode engine's ``wait_for_layer(i)`` returns once layer i landed on every rank, bit-exact; over the
+same-host path, the Transfer Engine, or LLM-DataDist (``--platform npu`` over the stand-ins)."""
 import numpy as np
 import pytest
 
 from cache_manager.cache_spec import CacheSpec
 from engine_hooks.layerwise import LayerWaitTimeout
-from tests.pd_helpers import instance_pair
-from tests.service_helpers import block_bytes, fill_distinct
+from tests.pd_helpers import blocks_any, fill_any, instance_pair, npu_instance_pair
 
 SPEC = CacheSpec(num_layers=4, num_blocks=32, kv_heads=2, block_size=4, head_dim=8)
 
@@ -18,32 +18,43 @@ def pair():
         yield instances
 
 
+@pytest.fixture(scope="module")
+def npu_pair(tmp_path_factory):
+    with npu_instance_pair(SPEC, tmp_path_factory.mktemp("acl"), num_cpu_blocks=8) as instances:
+        yield instances
+
+
+def pair_for(request, transport):
+    """The CPU pair, or the NPU pair for LLM-DataDist (the transport NPU ranks offer)."""
+    return request.getfixturevalue("npu_pair" if transport == "datadist" else "pair")
+
+
 def link_both(p, d, transport):
-    offer = ["ipc", "mooncake"] if transport == "mooncake" else ["ipc"]
+    offer = ["ipc", "mooncake"] if transport == "mooncake" else ["ipc", "datadist"]
     assert p.link(d.descriptor(offer), transport=transport) == transport
     assert d.link(p.descriptor(offer), transport=transport) == transport
 
 
-@pytest.mark.parametrize("transport", ["ipc", "mooncake"])
-def test_a_layerwise_push_lands_layer_by_layer_bit_exact(pair, transport):
-    p_svc, d_svc, p, d = pair
-    fill_distinct(p_svc, seed=61)
-    fill_distinct(d_svc, seed=62)
+@pytest.mark.parametrize("transport", ["ipc", "mooncake", "datadist"])
+def test_a_layerwise_push_lands_layer_by_layer_bit_exact(request, transport):
+    p_svc, d_svc, p, d = pair_for(request, transport)
+    fill_any(p_svc, seed=61)
+    fill_any(d_svc, seed=62)
     link_both(p, d, transport)
     src, dst = [2, 3, 4, 9], [12, 13, 14, 1]
-    want, before = block_bytes(p_svc, src), block_bytes(d_svc, dst)
+    want, before = blocks_any(p_svc, src), blocks_any(d_svc, dst)
     target = d.receive_push("prefill-0", dst, timeout=20)
     future = p.push_blocks("decode-0", target.ticket, src, layerwise=True, timeout=20)
     for layer in range(SPEC.num_layers):
         with pytest.raises(LayerWaitTimeout):
             target.wait_for_layer(layer, timeout=0.2)  # not computed yet: nothing may be reported
-        got = block_bytes(d_svc, dst)
+        got = blocks_any(d_svc, dst)
         for (rank, kind, l), value in got.items():
             if l >= layer:
                 assert np.array_equal(value, before[(rank, kind, l)]), f"layer {l} written before it was computed"
         future.layer_computed(layer + 1)
         target.wait_for_layer(layer, timeout=10)
-        got = block_bytes(d_svc, dst)
+        got = blocks_any(d_svc, dst)
         for (rank, kind, l), value in got.items():
             if l <= layer:
                 assert np.array_equal(value, want[(rank, kind, l)]), f"rank {rank} {kind} layer {l} after {layer}"
@@ -52,9 +63,10 @@ def test_a_layerwise_push_lands_layer_by_layer_bit_exact(pair, transport):
     assert target.released and target.close()
 
 
-def test_a_push_whose_prefill_rank_fails_fails_the_decode_wait_and_releases(pair):
-    p_svc, d_svc, p, d = pair
-    link_both(p, d, "ipc")
+@pytest.mark.parametrize("transport", ["ipc", "datadist"])
+def test_a_push_whose_prefill_rank_fails_fails_the_decode_wait_and_releases(request, transport):
+    p_svc, d_svc, p, d = pair_for(request, transport)
+    link_both(p, d, transport)
     target = d.receive_push("prefill-0", [1, 2], timeout=20)
     future = p.push_blocks("decode-0", target.ticket, [1, 10**6], layerwise=False, timeout=20)
     with pytest.raises(Exception, match="gave up|outside|out of range"):

@@ -3,7 +3,8 @@
 The engine drives this with control commands, every rank alike (``peer_command``):
 ``pd_describe`` (this rank's ``PeerDescriptor``: layout, and where a peer finds its memory),
 ``pd_link`` (check the peer rank's layout against ours, choose the transport both offer and open
-it: map its segments, or address it over this rank's Transfer Engine, opened on first need),
+it: map its segments, link this rank's LLM-DataDist endpoint to the peer's (NPU ranks), or address
+it over this rank's Transfer Engine; endpoints open at the first descriptor that offers them),
 ``pd_unlink``.  A rank links to every peer rank it exchanges kv heads with: rank ``r`` of the other
 instance when both run one TP size, otherwise the ranks ``transfer_factory.peer.heads`` names, each
 with the head range of a block it reads (``pull_routes``) or writes (``push_routes``).
@@ -25,6 +26,7 @@ from ops.platform import Platform
 from ops.shm import SharedMemorySegment
 from transfer_factory.peer import PeerDescriptor, choose_transport, compatible_layouts
 from transfer_factory.peer.descriptor import CacheLayout
+from transfer_factory.peer.datadist_rank import RankDataDist
 from transfer_factory.peer.handles import BOARD_BYTES
 from transfer_factory.peer.heads import HeadSpan, reader_spans, writer_spans
 from transfer_factory.peer.ipc import IpcPeer, Region, ipc_params
@@ -53,6 +55,8 @@ class PeerLink:
     te_board: int = 0
     te_capacity: int = 0  # the fewest blocks of any of the peer's layers
     te_layer_board: int = 0
+    datadist: RankDataDist | None = None  # this rank's endpoint, linked to the peer's under ``name``
+    datadist_token: int = 0  # which of its links to that name is this one
 
     @property
     def name(self) -> str:
@@ -61,6 +65,8 @@ class PeerLink:
     def close(self) -> None:
         if self.ipc is not None:
             self.ipc.close()
+        if self.datadist is not None:
+            self.datadist.unlink(self.name, self.datadist_token)
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,7 @@ class PeerLinks:
         self._platform = platform
         self._log = log
         self.te = TransferEngineEndpoint(te_hostname, "tcp", log)
+        self.datadist = RankDataDist(rank, tp, role, platform, te_hostname, log)  # opened when offered
         self._te_scratch = np.zeros(1, dtype=np.int64)  # where board words land
         self._board: SharedMemorySegment | None = None  # our engine's exposure board, for the TE
         self._layer_board: SharedMemorySegment | None = None  # our engine's layer board, for the TE
@@ -140,6 +147,10 @@ class PeerLinks:
             regions = [Region(g.kind, layer, *self._platform.exported_region(t))
                        for g in self._resources.groups for layer, t in enumerate(g.tensors)]
             transports["ipc"] = ipc_params(regions, board, layer_board, int(args["engine_pid"]))
+        if "datadist" in offer and self.datadist.capable():
+            transports["datadist"] = self.datadist.open(args["instance_id"], self._resources.groups, self._kinds(),
+                                                        self._spec.cache_dtype, self._resources.num_layers,
+                                                        board.segment, layer_board.segment)
         if "mooncake" in offer:
             transports["mooncake"] = self._open_te(board, layer_board)
         return PeerDescriptor(instance_id=args["instance_id"], role=self._role, rank=self._rank, tp=self._tp,
@@ -224,6 +235,10 @@ class PeerLinks:
             link.ipc = IpcPeer(peer.transports["ipc"], kinds, self._resources.num_layers, link.name,
                                layer_board_bytes=8 * SLOTS * board_shape(peer.tp)[1], writable=self._role != "decode")
             return link
+        if transport == "datadist":  # this rank becomes the client that moves the bytes
+            link.datadist_token = self.datadist.link(link.name, peer.transports["datadist"])
+            link.datadist = self.datadist
+            return link
         params = peer.transports["mooncake"]
         link.te_address = str(params["address"])
         bases: dict[str, list[int]] = {}
@@ -301,6 +316,7 @@ class PeerLinks:
         for link in links:  # the CTM's pools are shut down: no transfer uses them any more
             link.close()
         self.te.close()
+        self.datadist.close()
         for segment in (self._board, self._layer_board):
             if segment is not None:
                 segment.close()

@@ -18,6 +18,8 @@ one TP size), so the same code serves equal and different TP sizes.
 
 A Transfer Engine batch still running at the task's deadline cannot be cancelled: the rank answers
 0 blocks and keeps the blocks unreleased (``Outcome.still_running``) until the batch has ended.
+Over LLM-DataDist (NPU ranks, whole blocks) every call is synchronous and bounded by its
+``sync_kv_timeout``, and none starts after the deadline (``transfer_factory.peer.datadist``).
 """
 from __future__ import annotations
 
@@ -74,7 +76,10 @@ class PeerTransfers:
         if link.transport == "ipc":  # each head range from the prefill rank that holds it
             moved += self._copy_ipc(link, link.pull_routes, sides, True, task.dst_block_ids, task.src_block_ids,
                                     layers)
-        if link.transport != "ipc":  # every prefill rank holding some of our heads at once
+        elif link.transport == "datadist":  # whole blocks from the one rank of our index (equal TP sizes)
+            moved += sum(self._links.datadist.endpoint.pull(r.peer.name, task.src_block_ids, task.dst_block_ids,
+                                                            layers, task.placement, deadline) for r in link.pull_routes)
+        else:  # the Transfer Engine: every prefill rank holding some of our heads at once
             written, inflight = self._transfer_te(link, link.pull_routes, False, sides, task.dst_block_ids,
                                                   task.src_block_ids, layers, deadline)
             moved += written
@@ -116,6 +121,10 @@ class PeerTransfers:
                 if link.transport == "ipc":  # each head range into the decode rank that owns it
                     moved += self._copy_ipc(link, link.push_routes, sides, False, task.dst_block_ids,
                                             task.src_block_ids, step)
+                elif link.transport == "datadist":  # synchronous: the layer has landed when it returns
+                    moved += sum(self._links.datadist.endpoint.push(r.peer.name, task.src_block_ids,
+                                                                    task.dst_block_ids, step, deadline)
+                                 for r in link.push_routes)
                 else:
                     written, inflight = self._transfer_te(link, link.push_routes, True, sides, task.src_block_ids,
                                                           task.dst_block_ids, step, deadline)
@@ -149,6 +158,8 @@ class PeerTransfers:
         board = link.board
         if board.ipc is not None:
             _shm_atomic.store_release(board.ipc.layer_board, index, word)
+        elif board.transport == "datadist":
+            self._links.datadist.endpoint.write_layer_word(board.name, index, word, deadline)
         else:
             self._links.write_word(board, board.te_layer_board + 8 * index, word, deadline)
 
@@ -230,6 +241,8 @@ class PeerTransfers:
     def _holds(self, link: PeerLink, handle: TransferHandle, deadline: float) -> bool:
         if link.ipc is not None:
             return holds(link.ipc.board_word(handle.slot), handle) and link.ipc.engine_alive()
+        if link.transport == "datadist":  # read after the bytes arrived: LIVE then means LIVE throughout
+            return holds(self._links.datadist.endpoint.read_board(link.name, handle.slot, deadline), handle)
         board_word = self._links.read_word(link, link.te_board + 8 * handle.slot, deadline)
         return holds(board_word, handle)
 

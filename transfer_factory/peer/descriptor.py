@@ -6,8 +6,8 @@ range and a bad one is named.  ``compatible_layouts`` refuses a link before any 
 the two caches would not mean the same thing block for block: another model or model version,
 another dtype, block size, layer count, head size, or MLA on one side only, or a different number
 of kv heads in all.  The TP sizes may differ: each rank then exchanges head ranges of blocks with
-the peer ranks that hold them (``transfer_factory.peer.heads``).
-Transports are chosen by capability (``choose_transport``), never by the peer's name.
+the peer ranks that hold them (``transfer_factory.peer.heads``), except over LLM-DataDist, which
+moves whole blocks.  Transports are chosen by capability (``choose_transport``), never by the peer's name.
 """
 from __future__ import annotations
 
@@ -16,8 +16,11 @@ from typing import Any, Mapping
 
 ROLES = ("prefill", "decode", "mixed")  # mixed: an instance that does both
 # The transports a rank may offer, best first: the same-host path copies from the peer's
-# exported segments and opens no port; the Transfer Engine crosses hosts.
-TRANSPORTS = ("ipc", "mooncake")
+# exported segments and opens no port; LLM-DataDist is Ascend's own (offered only by ranks on the
+# NPU platform with CANN's SDK: ``transfer_factory.peer.datadist_rank``); the Transfer Engine
+# crosses hosts.
+TRANSPORTS = ("ipc", "datadist", "mooncake")
+WHOLE_BLOCKS_ONLY = ("datadist",)  # transports that cannot move a head range of a block
 MAX_NAME_CHARS = 256
 
 
@@ -119,6 +122,11 @@ def choose_transport(local: PeerDescriptor, peer: PeerDescriptor, forced: str | 
     both = [name for name in TRANSPORTS if name in local.transports and name in peer.transports]
     if local.boot_id != peer.boot_id or not local.boot_id:
         both = [name for name in both if name != "ipc"]
+    if local.tp != peer.tp:  # each rank exchanges head ranges of blocks: whole-block transports cannot
+        if forced in WHOLE_BLOCKS_ONLY:
+            raise ValueError(f"transport {forced!r} moves whole blocks only: it cannot link TP {local.tp} to "
+                             f"TP {peer.tp}")
+        both = [name for name in both if name not in WHOLE_BLOCKS_ONLY]
     if forced is not None and forced != "auto":
         if forced not in both:
             raise ValueError(f"transport {forced!r} is not offered by both sides here (usable: {both or 'none'})")

@@ -4,7 +4,7 @@ Not the vendor package: importable as ``llm_datadist`` only when a test puts ``t
 ``sys.path``.  It runs ON the pyACL stand-in (``tests/standins/acl``): every byte it moves goes
 through ``acl.rt.memcpy`` with the kind the move needs, and its swap-in staging area comes from
 ``acl.rt.malloc``/``acl.rt.free``, so device memory stays unreachable from the host and a full
-device refuses a swap-in as hardware would.  The subset ``ops/npu_datadist.py`` uses:
+device refuses a swap-in as hardware would.  The swap subset ``ops/npu_datadist.py`` uses:
 
 ``LLMDataDist(LLMRole.PROMPT | DECODER | MIX, cluster_id)``, ``init(options)``, ``cache_manager``,
 ``finalize()``; ``CacheDesc(num_tensors, shape, data_type, placement=Placement.DEVICE, ...)``;
@@ -45,14 +45,31 @@ What it enforces (documented, or the strict reading where the docs are silent):
   staging allocation is ``LLMException`` (``LLM_DEVICE_OUT_OF_MEMORY``) before any byte moves.
   Any pyACL error becomes ``LLMException`` naming the call.  Returns ``None``.
 
+The prefill/decode calls (``_datadist``, ``_links``, ``_transfer``; what each enforces is in those
+modules' docstrings): ``init`` options ``llm.listenIpInfo`` ("ip:port": this cluster is a server
+peers link to), ``llm.SyncKvCacheWaitTime`` (ms, default 1000: the bound of every transfer call),
+``llm.MemPoolConfig`` ('{"memory_size": N}': a host cache in a transfer needs N >= 100 MB);
+``link_clusters`` / ``unlink_clusters`` with ``LLMClusterInfo`` -> ``(ret, rets)``; ``link`` /
+``unlink`` / ``query_register_mem_status`` -> ``RegisterMemStatus``; ``cache_manager.register_cache``
+(with ``CacheKey`` s), ``remove_cache_key``, ``pull_blocks``, ``push_blocks``, ``push_cache``
+(``CacheKeyByIdAndIndex``), ``pull_cache``.  The clusters of a test are its processes: they find
+each other through ``$ACL_STANDIN_DIR/llm_datadist_registry.json`` (``_registry``) and the stand-in
+moves the bytes itself, through the pyACL stand-in's device files and the shared files behind host
+memory (``_memory``), so a test checks them bit for bit.  A peer whose process died fails every
+transfer with ``LLM_LINK_FAILED``.
+
 Test-only helpers: ``standin_calls()`` (API call name -> count in this process, plus the pyACL
-calls made for them: ``acl.rt.memcpy``, ``acl.rt.malloc``, ``acl.rt.free``) and
-``standin_reset_calls()``; fault knobs in ``$ACL_STANDIN_DIR/llm_datadist_faults.json`` (see
-``llm_datadist._state``), e.g. ``{"fail": {"swap_blocks": 3}}`` raises on the third call.
+calls made for them: ``acl.rt.memcpy``, ``acl.rt.malloc``, ``acl.rt.free``, and
+``transfer_bytes``) and ``standin_reset_calls()``; fault knobs in
+``$ACL_STANDIN_DIR/llm_datadist_faults.json`` (see ``llm_datadist._state``), e.g.
+``{"fail": {"swap_blocks": 3}}`` raises on the third call, ``{"stall_ms": {"pull_blocks": 300}}``
+slows pulls, ``{"link_down": [7]}`` downs cluster 7's links.
 """
 from __future__ import annotations
 
-from ._manager import MAX_DEVICE_BYTES, MAX_HOST_BYTES, MAX_REGISTERED_ADDRESSES, CacheManager, LLMDataDist
+from ._datadist import LLMDataDist
+from ._manager import MAX_DEVICE_BYTES, MAX_HOST_BYTES, MAX_REGISTERED_ADDRESSES, CacheManager
+from ._pd_types import CacheKey, CacheKeyByIdAndIndex, LLMClusterInfo, RegisterMemStatus
 from ._state import standin_calls, standin_reset_calls
 from ._types import (
     BlocksCacheKey,
@@ -67,7 +84,7 @@ from ._types import (
 )
 
 __all__ = [
-    "BlocksCacheKey", "Cache", "CacheDesc", "CacheManager", "DataType", "KvCache", "LLMDataDist", "LLMException",
-    "LLMRole", "LLMStatusCode", "Placement", "MAX_DEVICE_BYTES", "MAX_HOST_BYTES", "MAX_REGISTERED_ADDRESSES",
-    "standin_calls", "standin_reset_calls",
+    "BlocksCacheKey", "Cache", "CacheDesc", "CacheKey", "CacheKeyByIdAndIndex", "CacheManager", "DataType", "KvCache",
+    "LLMClusterInfo", "LLMDataDist", "LLMException", "LLMRole", "LLMStatusCode", "Placement", "RegisterMemStatus",
+    "MAX_DEVICE_BYTES", "MAX_HOST_BYTES", "MAX_REGISTERED_ADDRESSES", "standin_calls", "standin_reset_calls",
 ]

@@ -8,7 +8,15 @@ every one optional:
   process as ``standin_calls()`` counts them, from the last ``standin_reset_calls()``) raise
   ``LLMException`` (status ``LLM_INJECTED_FAULT``) before doing anything;
 * ``"max_addresses": 240``: the registered-address limit of some releases (default 256);
-* ``"staging_blocks": N``: blocks of the swap-in staging area (default 4).
+* ``"staging_blocks": N``: blocks of the swap-in staging area (default 4);
+* ``"stall_ms": {"pull_blocks": 300}``: those transfer calls take that much longer (bounded by
+  sync_kv_timeout: past it they raise ``LLM_TIMEOUT`` and break their link);
+* ``"link_down": [cluster ids] | true``: links to or from those clusters are down: ``link_clusters``
+  to them and transfers over them fail with ``LLM_LINK_FAILED`` at once;
+* ``"unreachable": [cluster ids] | true``: ``link_clusters`` to them gets no answer and fails
+  (``LLM_LINK_FAILED``) when its timeout ends;
+* ``"mem_status": "PREPARING" | "FAILED"``: what ``query_register_mem_status`` answers;
+  ``"preparing_queries": N``: its first N answers per comm_id are ``PREPARING``.
 
 An unknown key, call name or a value of the wrong type raises ``ValueError`` (a broken test set-up).
 """
@@ -27,8 +35,13 @@ from ._types import LLMException, LLMStatusCode, is_int
 
 FAULTS_FILE = "llm_datadist_faults.json"
 API_NAMES = ("init", "finalize", "cache_manager", "register_blocks_cache", "unregister_cache",
-             "create_cpu_cache", "swap_blocks")
-_INTS = ("max_addresses", "staging_blocks")
+             "create_cpu_cache", "swap_blocks", "register_cache", "remove_cache_key", "link_clusters",
+             "unlink_clusters", "link", "unlink", "query_register_mem_status", "pull_blocks", "push_blocks",
+             "push_cache", "pull_cache")
+TRANSFER_CALLS = ("pull_blocks", "push_blocks", "push_cache", "pull_cache")
+_INTS = ("max_addresses", "staging_blocks", "preparing_queries")
+_CLUSTER_LISTS = ("link_down", "unreachable")
+MEM_STATUSES = ("OK", "PREPARING", "FAILED")
 
 
 class _Calls:
@@ -93,6 +106,16 @@ def _check(knobs: Any) -> dict[str, Any]:
                     raise ValueError(f"{FAULTS_FILE}: unknown call {name!r} in 'fail' (known: {', '.join(API_NAMES)})")
                 if not ((is_int(nth) and nth > 0) or (isinstance(nth, list) and all(is_int(n) and n > 0 for n in nth))):
                     raise ValueError(f"{FAULTS_FILE}: 'fail'[{name!r}] must be a positive integer or a list of them")
+        elif key == "stall_ms":
+            if not isinstance(value, dict) or not all(
+                    name in TRANSFER_CALLS and is_int(ms) and ms > 0 for name, ms in value.items()):
+                raise ValueError(f"{FAULTS_FILE}: 'stall_ms' must map transfer calls {TRANSFER_CALLS} to positive ms")
+        elif key in _CLUSTER_LISTS:
+            if value is not True and not (isinstance(value, list) and all(is_int(c) and c >= 0 for c in value)):
+                raise ValueError(f"{FAULTS_FILE}: {key!r} must be true or a list of cluster ids")
+        elif key == "mem_status":
+            if value not in MEM_STATUSES:
+                raise ValueError(f"{FAULTS_FILE}: 'mem_status' must be one of {MEM_STATUSES}")
         else:
             raise ValueError(f"{FAULTS_FILE}: unknown knob {key!r}")
     return knobs

@@ -61,6 +61,20 @@ class LLMStatusCode(Enum):
     LLM_DEVICE_OUT_OF_MEMORY = 4
     LLM_EXCEED_LIMIT = 5
     LLM_INJECTED_FAULT = 6
+    # The documented names of the P/D calls (LLMStatusCode.md); the numbers are the stand-in's own.
+    LLM_KV_CACHE_NOT_EXIST = 7
+    LLM_REPEAT_REQUEST = 8
+    LLM_NOT_YET_LINK = 9
+    LLM_ALREADY_LINK = 10
+    LLM_LINK_FAILED = 11
+    LLM_UNLINK_FAILED = 12
+    LLM_NOTIFY_PROMPT_UNLINK_FAILED = 13
+    LLM_CLUSTER_NUM_EXCEED_LIMIT = 14
+    LLM_PROCESSING_LINK = 15
+    LLM_FEATURE_NOT_ENABLED = 16
+    LLM_TIMEOUT = 17
+    LLM_LINK_BUSY = 18
+    LLM_OUT_OF_MEMORY = 19
 
 
 class LLMException(RuntimeError):
@@ -179,6 +193,13 @@ class Cache:
         self._is_registered = is_registered
         self._is_blocks_cache = is_blocks_cache
         self._valid = True
+        # Set by the registering CacheManager (the P/D calls): when it was registered (monotonic ns),
+        # whether peers may use it, where each tensor's bytes are, and the keys that name it.
+        self._seq = 0
+        self._remote_accessible = cache_desc.placement == Placement.DEVICE
+        self._locations: List[dict] = []
+        self._blocks_key: Optional["BlocksCacheKey"] = None
+        self._cache_keys: List[Any] = []
 
     cache_id = property(lambda self: self._cache_id)
     cache_desc = property(lambda self: self._cache_desc)
