@@ -56,7 +56,8 @@ Ratios (medians of --reps interleaved repetitions; targets from DESIGN §5):
   pd_push_ipc_over_memcpy  = memcpy / ipc_push           (push variant of the first)
   pd_push_te_over_raw      = raw_write / te_push         (push variant of the second)
   pd_push_visible_fraction = visible(layer-wise) / whole push   <= 1/L + 0.1
-  pd_hetero_over_same_tp   = same-TP pull / P:D pull of the same bytes   >= 0.8  (``bench_pd_tp.py``)
+  pd_hetero_over_same_tp   = same-TP pull / P:D pull of the same bytes, same host   >= 0.8
+                             (``bench_pd_tp.py``; ``pd_hetero_te_over_same_tp``: the Transfer Engine)
 The top-level figures of the JSON line are the worst over the block sizes (and, for the visible
 fraction, over both transports); per block size figures are under "results".  Prints a table of
 GB/s, then one JSON line.
@@ -509,7 +510,7 @@ def main() -> None:
         "pd_push_te_over_raw": worst("pd_push_te_over_raw", min),
         "pd_push_visible_fraction": None if None in visible else round(max(visible), 4),
         "pd_push_ipc_visible_fraction": worst("pd_push_ipc_visible_fraction", max),
-        "pd_hetero_over_same_tp": hetero,
+        **hetero,
     }
     rounded = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in results]
     print(json.dumps({**summary, "visible_bound": round(1 / args.layers + 0.1, 4), "block_bytes": sizes,
