@@ -43,3 +43,13 @@ CACHE_TRANSFER_INITED_SIGNAL = "cache_transfer_inited_signal"
 WORKER_HEALTHY_LIVE_SIGNAL = "worker_healthy_live_signal"
 KV_CACHE_STATUS_SIGNAL = "kv_cache_status"
 PER_RANK_SIGNALS = (CACHE_READY_SIGNAL, SWAP_SPACE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL)
+
+# FastDeploy's control requests, ``(CacheStatus.CTRL, ControlRequest)``: the methods the CTMs serve.  On the
+# wire a request is a control task whose command is ``ctrl_<method>`` (``cache_tasks.ControlTask``).
+CONTROL_METHODS = ("pause", "resume", "update_weights", "sleep", "wakeup")
+CONTROL_COMMAND_PREFIX = "ctrl_"
+KV_CACHE_TAG = "kv_cache"  # a sleep/wakeup tag: the KV caches are released/re-created (FastDeploy's default tags
+DEFAULT_SLEEP_TAGS = ("weight", KV_CACHE_TAG)  # are "weight,kv_cache")
+# FastDeploy's PrefixCacheManager creates these; a CTM publishes its pause ([0]) and whether it has tasks in flight ([rank])
+CACHE_TASK_IS_PAUSED_SIGNAL = "cache_task_is_paused"
+CACHE_TASK_INFLIGHT_SIGNAL = "cache_task_inflight"

@@ -11,8 +11,9 @@ space, set ``swap_space_ready_signal``, join the EngineCacheQueue and set
 ``cache_transfer_inited_signal``.  Then serve: the ``TaskScheduler`` orders tasks that share
 a block, drops those past their deadline, and runs the rest on one thread pool per kind;
 each rank sends its own result.  What the rank holds (device caches, swap space, storage, model
-version) is its ``RankResources``; the RL clear/restore (``rank.lifecycle``) drives those, never
-this process object.
+version) is its ``RankResources``; the RL clear/restore (``rank.lifecycle``) and FastDeploy's control
+requests (``rank.control``: pause, resume, sleep, wakeup, update_weights) drive those, never this
+process object.
 
 Liveness (``engine_watch``): the process exits by itself once the engine *process* is gone (its
 ``--engine_pid``, its parent, or the process at the queue link's other end, which is how a CTM
@@ -38,7 +39,6 @@ from itertools import chain, repeat
 from typing import Any
 
 import ops
-from ops.procs import open_private, private_dir
 from transfer_factory import StorageConfigError
 
 from cache_manager.queue import wire
@@ -48,6 +48,7 @@ from cache_manager.cache_data import (
     SWAP_SPACE_READY_SIGNAL,
     WORKER_HEALTHY_LIVE_SIGNAL,
     KV_CACHE_STATUS_SIGNAL,
+    CONTROL_COMMAND_PREFIX,
     CacheStatus,
 )
 from cache_manager.rank.peer_links import PeerLinks, peer_command
@@ -58,6 +59,8 @@ from cache_manager.ctm_flags import NPU_COPY_ENGINE_DEFAULT, parse_args, spec_fr
 from cache_manager.engine_watch import EngineGone, EngineWatch, remove_engine_leftovers
 from cache_manager.rank.scheduler import TaskScheduler
 from cache_manager.rank.lifecycle import KvCacheLifecycle
+from cache_manager.rank.control import RankControl
+from cache_manager.rank.logs import rank_logger
 from cache_manager.queue.client import EngineCacheQueueClient
 from cache_manager.queue.session import STREAM_BROKEN_EXIT
 from cache_manager.queue.unix_address import ctm_queue_endpoint
@@ -83,34 +86,6 @@ class StreamBroken(Exception):
     """The rank's stream from the engine broke for good (``EngineCacheQueueClient.broken``)."""
 
 
-class PrivateFileHandler(logging.FileHandler):
-    """A log file created 0600 whatever the umask, never through a symlink (``ops.procs.open_private``)."""
-
-    def _open(self):  # FileHandler's hook for opening its file
-        return os.fdopen(open_private(self.baseFilename), "a", encoding=self.encoding, errors=self.errors)
-
-
-def rank_logger(rank: int, log_dir: str) -> logging.Logger:
-    """The rank's logger: ``<log_dir>/cache_transfer_manager_rank<r>.log`` (0600; ``log_dir`` 0700 and
-    ours, else ``PermissionError``), warnings also to stderr."""
-    log = logging.getLogger(f"ctm.rank{rank}")
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    fmt = logging.Formatter("%(asctime)s %(levelname)s rank" + str(rank) + " %(threadName)s: %(message)s")
-    handler = PrivateFileHandler(os.path.join(private_dir(log_dir), f"cache_transfer_manager_rank{rank}.log"))
-    handler.setFormatter(fmt)
-    log.addHandler(handler)
-    err = logging.StreamHandler(sys.stderr)
-    err.setLevel(logging.WARNING)
-    err.setFormatter(fmt)
-    log.addHandler(err)
-    for name in ("cache_manager", "ops", "transfer_factory"):  # library modules log through the rank's handlers
-        lib = logging.getLogger(name)
-        lib.setLevel(logging.INFO)
-        lib.handlers = log.handlers
-    return log
-
-
 class CacheTransferManager:
     def __init__(self, args: argparse.Namespace, log: logging.Logger, queue_endpoint: str | None = None):
         self.args = args
@@ -134,6 +109,7 @@ class CacheTransferManager:
         self.queue: EngineCacheQueueClient | None = None
         self.scheduler: TaskScheduler | None = None
         self.lifecycle: KvCacheLifecycle | None = None  # RL weight updates: clear and restore the caches
+        self.control: RankControl | None = None  # control tasks: FastDeploy's pause/resume/sleep/wakeup/update_weights
         self.recv_seq = 0
         self.engine_watch = EngineWatch(args.engine_pid, log)
         self._next_engine_check = 0.0
@@ -173,6 +149,9 @@ class CacheTransferManager:
         self.peers = PeerLinks(self.rank, a.mp_num, a.splitwise_role, self.spec, self.resources, self.platform,
                                a.pod_ip, self.log)
         self.transfers = PeerTransfers(self.peers, self.resources, self.platform, self.log)
+        self.control = RankControl(self.resources, self.scheduler, self.signals, self.queue, self.rank, a.mp_num,
+                                   a.model_path, self.log, self.stop_event,
+                                   lambda command, args: peer_command(self.peers, command, args, self.rank))
         self.signals[CACHE_TRANSFER_INITED_SIGNAL].value[self.rank] = 1
         self.log.info("ready: rank %d of %d, pid %d", self.rank, a.mp_num, os.getpid())
 
@@ -200,12 +179,14 @@ class CacheTransferManager:
     # -- serving ----------------------------------------------------------------
     def serve(self) -> None:
         assert self.queue is not None and self.scheduler is not None and self.lifecycle is not None
+        assert self.control is not None
         while not self.stop_event.is_set():
             try:
                 for wire_task in self.queue.poll(self._poll_ms()):
                     self._dispatch(wire_task)
                 self.scheduler.expire_waiting()
                 self.lifecycle.step()
+                self.control.step()
             except Exception:  # one bad iteration must not end the serve loop
                 self.log.exception("serve loop iteration failed; serving on")
             if self.queue.broken is not None:
@@ -220,7 +201,8 @@ class CacheTransferManager:
     def _poll_ms(self) -> int:
         if self.lifecycle.draining:
             return DRAIN_POLL_MS  # a clear waits for its tasks' releases, which come on other threads
-        soonest = self.scheduler.next_deadline() if self.scheduler else None
+        soonest = min((d for d in (self.scheduler.next_deadline(), self.control.next_deadline()) if d is not None),
+                      default=None)
         if soonest is None:
             return IDLE_POLL_MS
         return max(1, min(IDLE_POLL_MS, int((soonest - time.monotonic()) * 1000) + 1))
@@ -233,12 +215,29 @@ class CacheTransferManager:
         try:
             task = task_from_wire(wire_task)
             deadline = task_deadline(wire_task, self.queue.shared_clock, time.monotonic())
-            refusal = self.lifecycle.refusal()
+            ctrl = isinstance(task, ControlTask) and task.command.startswith(CONTROL_COMMAND_PREFIX)
+            refusal = None if ctrl else self.lifecycle.refusal()  # FastDeploy's control requests always run
             if refusal is not None:
                 raise TaskFormatError(refusal)
         except TaskFormatError as exc:
-            self.log.error("task %s refused: %s", task_id, exc)
-            self.queue.send_result(RankResult(task_id, self.rank, False, error=str(exc), recv_seq=seq))
+            self._refuse(task_id, seq, str(exc))
+            return
+        if isinstance(task, ControlTask):  # never held by a pause (``rank.control``)
+            self.control.dispatch(task, seq, deadline)
+        elif self.control.paused:  # FastDeploy's pause: the task waits for the resume
+            self.control.hold(lambda: self._submit(task, seq, deadline, held=True), deadline)
+        else:
+            self._submit(task, seq, deadline)
+
+    def _refuse(self, task_id: str, seq: int, why: str) -> None:
+        self.log.error("task %s refused: %s", task_id, why)
+        self.queue.send_result(RankResult(task_id, self.rank, False, error=why, recv_seq=seq))
+
+    def _submit(self, task: Any, seq: int, deadline: float | None, held: bool = False) -> None:
+        # a task a pause held is looked at again: the caches may have gone meanwhile
+        refusal = self.control.refusal() or (self.lifecycle.refusal() if held else None)
+        if refusal is not None:
+            self._refuse(task.task_id, seq, refusal)
             return
         submit = self.scheduler.submit
         if isinstance(task, SwapTask):
@@ -254,8 +253,6 @@ class CacheTransferManager:
         elif isinstance(task, PushTask):
             submit(task.task_id, seq, "pd_push", zip(repeat("gpu"), task.src_block_ids), deadline,
                    lambda: self._push(task, deadline), drop_value=[])
-        elif isinstance(task, ControlTask):
-            submit(task.task_id, seq, "control", (), deadline, lambda: self._control(task))
         else:
             kind = "read_storage" if task.event_type == CacheStatus.STORAGE2GPU else "write_storage"
             touched = zip(repeat("gpu"), task.gpu_block_ids)
@@ -282,17 +279,6 @@ class CacheTransferManager:
     def _check_swap_space(self) -> None:
         if self.args.num_cpu_blocks == 0:
             raise ValueError("this CTM has no host swap space (--num_cpu_blocks 0)")
-
-    def _control(self, task: ControlTask) -> Any:
-        if task.command == "ping":
-            return {"pid": os.getpid(), "rank": self.rank}
-        if task.command == "sleep":  # holds a task in flight (tests, diagnostics); optionally on one rank
-            if task.args.get("rank", self.rank) == self.rank:
-                self.stop_event.wait(min(float(task.args.get("seconds", 0)), 60.0))
-            return None
-        if task.command.startswith("pd_"):
-            return peer_command(self.peers, task.command, task.args, self.rank)
-        raise ValueError(f"unknown control command {task.command!r}")
 
     def _push(self, task: PushTask, deadline: float | None) -> Outcome:
         publisher = self.layer_board.publisher(task.layerwise) if task.layerwise else None
@@ -331,6 +317,8 @@ class CacheTransferManager:
             return
         if self.lifecycle is not None:
             self.lifecycle.close()
+        if self.control is not None:
+            self.control.close()
         for pool in self.pools.values():
             pool.shutdown(wait=True, cancel_futures=True)
         self.resources.close_storage()

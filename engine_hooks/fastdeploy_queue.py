@@ -15,6 +15,9 @@ HMAC frames; never pickle).  The contract is in README.md, "Adopting from FastDe
 * Done signals are FastDeploy's tuples as its CTMs send them (a read's once per rank), queued only
   once the task resolved *and* every rank let go of its blocks (``future.released``).  A failed
   storage task reports 0 blocks; a failed swap is never reported done, only in ``failed_tasks()``.
+* Control requests ``(CTRL, ControlRequest)`` are answered by ``get_control_response`` as soon as
+  every rank answered, or one failed, died or stayed silent past ``control_timeout``
+  (``fastdeploy_control``).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from ops.procs import pid_alive
 from cache_manager.queue.unix_address import note_requested_path, private_socket_path
 
 from .fastdeploy_address import parse_address
+from .fastdeploy_control import ControlRefused, ControlResponse, ControlResponses, response_from
 from .fastdeploy_tasks import Entry, parse_transfer_task
 from .queue_secret import SECRET_LABEL, SecretFile, derive_secret, new_salt
 from .supervisor import Supervisor
@@ -81,8 +85,10 @@ class _Core:
     """The server side: queue, tracker, supervisor, done signals.  Every handle of a port shares it."""
 
     def __init__(self, host: str, port: int, num_client: int, secret: bytes, task_timeout: float,
-                 storage_grace: float, ready_timeout: float, ipc_path: str | None = None):
-        self.tp, self.secret = num_client, secret
+                 storage_grace: float, ready_timeout: float, ipc_path: str | None = None,
+                 control_timeout: float = 60.0):
+        self.tp, self.secret, self.control_timeout = num_client, secret, control_timeout
+        self.controls = ControlResponses()
         self.secret_file: SecretFile | None = None  # the owner's, for the CTMs (set once the server is up)
         self.task_timeout, self.storage_grace, self.ready_timeout = task_timeout, storage_grace, ready_timeout
         self.lock = threading.Lock()
@@ -103,7 +109,13 @@ class _Core:
 
     # -- submission -------------------------------------------------------------
     def submit(self, item: Any) -> None:
-        wire_task, entry, timeout, grace = parse_transfer_task(item, self.task_timeout, self.storage_grace)
+        try:
+            wire_task, entry, timeout, grace = parse_transfer_task(item, self.task_timeout, self.storage_grace,
+                                                                   self.control_timeout)
+        except ControlRefused as refused:  # the engine waits for an answer: it gets this one, nothing is sent
+            logger.error("control request %s refused: %s", refused.response.request_id, refused)
+            self.controls.answer(refused.response)
+            return
         if self._closed:
             raise RuntimeError("the EngineCacheQueue is closed")
         if not self._all_joined:  # CTMs set swap_space_ready a moment before they join: wait, once, bounded
@@ -112,6 +124,9 @@ class _Core:
             if not self.wait_ready(self._join_deadline - time.monotonic()):
                 logger.warning("not every rank joined the queue within %.0fs of the first task; sending task %s "
                                "anyway (it fails on the ranks missing)", self.ready_timeout, entry.task_id)
+        call = entry.report[0] if entry.kind == "control" else None
+        if call is not None:
+            self.controls.expect(call.request_id)
         with self.lock:
             wid, n = wire_task["task_id"], 1
             while wid in self.inflight:  # a cleared task under the same id may still be held by a rank
@@ -122,7 +137,11 @@ class _Core:
         except BaseException:
             with self.lock:
                 self.inflight.pop(wid, None)
+            if call is not None:
+                self.controls.forget(call.request_id)
             raise
+        if call is not None:  # answered once resolved: a silent rank's release is not waited for
+            future.add_done_callback(lambda f: self.controls.answer(response_from(call, f)))
         settle = lambda _f: self._settle(wid, future)  # noqa: E731
         future.add_done_callback(settle)
         future.released.add_done_callback(settle)
@@ -137,8 +156,8 @@ class _Core:
             return
         with self.lock:
             entry = self.inflight.pop(wid, None)
-        if entry is None:
-            return  # the other callback got there first
+        if entry is None or entry.kind == "control":
+            return  # the other callback got there first; a control task was answered when it resolved
         error = future.exception()
         if entry.cleared:
             logger.info("task %s was forgotten (clear_transfer_task or close); its done signal is dropped",
@@ -246,16 +265,18 @@ class EngineCacheQueue:
     def __init__(self, address: tuple[str, int] | str = ("127.0.0.1", 56666), authkey: bytes = DEFAULT_AUTHKEY,
                  is_server: bool = False, num_client: int = 1, client_id: int = -1,
                  local_data_parallel_size: int = 1, local_data_parallel_id: int = 0, *,
-                 task_timeout: float = 30.0, storage_grace: float = 5.0, ready_timeout: float = 60.0):
+                 task_timeout: float = 30.0, storage_grace: float = 5.0, ready_timeout: float = 60.0,
+                 control_timeout: float = 60.0):
         if local_data_parallel_size != 1 or local_data_parallel_id != 0:
             raise ValueError(f"local_data_parallel_size {local_data_parallel_size} / id {local_data_parallel_id}: "
                              "only one data-parallel group per queue is supported; give each engine its own queue")
         addr = parse_address(address)
         if isinstance(num_client, bool) or not isinstance(num_client, int) or num_client < 1:
             raise ValueError(f"num_client {num_client!r} must be the TP size, a positive integer")
-        if not 0 < task_timeout < 1e6 or not 0 <= storage_grace < 3600 or not 0 <= ready_timeout < 1e6:
-            raise ValueError(f"task_timeout {task_timeout!r}, storage_grace {storage_grace!r} or ready_timeout "
-                             f"{ready_timeout!r} out of range")
+        if not 0 < task_timeout < 1e6 or not 0 <= storage_grace < 3600 or not 0 <= ready_timeout < 1e6 \
+                or not 0 < control_timeout < 1e6:
+            raise ValueError(f"task_timeout {task_timeout!r}, storage_grace {storage_grace!r}, ready_timeout "
+                             f"{ready_timeout!r} or control_timeout {control_timeout!r} out of range")
         self.is_server, self.num_client, self.client_id, self._owner = is_server, num_client, client_id, is_server
         self._key: int | str = addr.key
         self._unix = addr.unix
@@ -285,7 +306,7 @@ class EngineCacheQueue:
                 note_requested_path(addr.unix)
                 ipc_path = private_socket_path(addr.unix, secret_file.directory)
             self._core = _Core(addr.host, addr.port, num_client, secret, task_timeout, storage_grace,
-                               ready_timeout, ipc_path)
+                               ready_timeout, ipc_path, control_timeout)
         except BaseException:
             secret_file.close()
             raise
@@ -300,8 +321,9 @@ class EngineCacheQueue:
     # -- FastDeploy's API ------------------------------------------------------------
     def put_transfer_task(self, item: Any) -> None:
         """Send a swap ``(event_type, transfer_task_id, swap_node_ids, gpu_block_ids, cpu_block_ids)`` or a
-        storage ``(STORAGE2GPU, ReadStorageTask)`` / ``(GPU2STORAGE, WriteStorageTask)`` to every rank.
-        A malformed item raises ``ValueError`` naming what is wrong; nothing is sent."""
+        storage ``(STORAGE2GPU, ReadStorageTask)`` / ``(GPU2STORAGE, WriteStorageTask)`` or a control request
+        ``(CTRL, ControlRequest)`` (answered by ``get_control_response``) to every rank.  A malformed item
+        raises ``ValueError`` naming what is wrong; nothing is sent."""
         self._core.submit(item)
 
     def get_transfer_done_signal(self) -> Any:
@@ -334,6 +356,11 @@ class EngineCacheQueue:
         return self._core.server.port
 
     # -- ours -----------------------------------------------------------------------------
+    def get_control_response(self, request_id: Any, timeout: float = 60.0) -> ControlResponse:
+        """The ``ControlResponse`` to the control request ``request_id`` put before (read once):
+        ``TimeoutError`` if not answered within ``timeout`` seconds, ``KeyError`` for an unknown id."""
+        return self._core.controls.wait(request_id, timeout)
+
     def failed_tasks(self) -> dict[Any, str]:
         """Swap tasks that failed, timed out or lost a rank (never reported done): task id -> reason."""
         return self._core.failed_tasks()

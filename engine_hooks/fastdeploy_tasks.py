@@ -2,8 +2,9 @@
 
 A swap is ``(event_type, transfer_task_id, swap_node_ids, gpu_block_ids, cpu_block_ids)``; a storage
 task ``(STORAGE2GPU, ReadStorageTask)`` / ``(GPU2STORAGE, WriteStorageTask)`` (FastDeploy's or ours),
-or FastDeploy's older ``(event_type, task_id, keys, gpu_block_ids, timeout)``.  The engine's own
-event member, ids and keys are kept in an ``Entry`` to report the done signal with.
+or FastDeploy's older ``(event_type, task_id, keys, gpu_block_ids, timeout)``; a control request
+``(CTRL, ControlRequest)`` (``fastdeploy_control``).  The engine's own event member, ids and keys are
+kept in an ``Entry`` to report the done signal (or the control response) with.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import numpy as np
 from cache_manager.cache_data import CacheStatus
 from cache_manager.cache_tasks import ReadStorageTask as OurReadStorageTask
 
+from .fastdeploy_control import is_control_item, parse_control_request
+
 SWAPS = (int(CacheStatus.SWAP2CPU), int(CacheStatus.SWAP2GPU))
 STORAGE = (int(CacheStatus.GPU2STORAGE), int(CacheStatus.STORAGE2GPU))
 
@@ -24,7 +27,8 @@ def _event(value: Any, where: str) -> tuple[int, Any]:
     """(the event's int, the object to report it with): an enum member is kept, an int becomes ours."""
     raw = value.value if isinstance(value, enum.Enum) else value
     if isinstance(raw, bool) or not isinstance(raw, (int, np.integer)) or int(raw) not in SWAPS + STORAGE:
-        raise ValueError(f"{where}: event_type {value!r} is not SWAP2CPU, SWAP2GPU, GPU2STORAGE or STORAGE2GPU")
+        raise ValueError(f"{where}: event_type {value!r} is not SWAP2CPU, SWAP2GPU, GPU2STORAGE or STORAGE2GPU "
+                         "(nor CTRL with a control request: (CTRL, ControlRequest))")
     return int(raw), value if isinstance(value, enum.Enum) else CacheStatus(int(raw))
 
 
@@ -52,8 +56,8 @@ class Entry:
 
     task_id: Any
     event: Any
-    kind: str  # "swap", "read", "write"
-    report: tuple  # swap: (swap_node_ids, gpu, cpu); storage: (keys,)
+    kind: str  # "swap", "read", "write", "control"
+    report: tuple  # swap: (swap_node_ids, gpu, cpu); storage: (keys,); control: (ControlCall,)
     cleared: bool = False  # forgotten (clear_transfer_task or close): no done signal is delivered
 
     def forget(self) -> None:
@@ -63,9 +67,14 @@ class Entry:
 ParsedTask = tuple[dict, Entry, float, float]  # (wire task, entry, timeout, grace)
 
 
-def parse_transfer_task(item: Any, task_timeout: float, storage_grace: float) -> ParsedTask:
+def parse_transfer_task(item: Any, task_timeout: float, storage_grace: float,
+                        control_timeout: float = 60.0) -> ParsedTask:
     """FastDeploy's transfer task ``item`` as (wire task, entry, timeout, grace); ``ValueError`` names
-    what is wrong with a malformed one."""
+    what is wrong with a malformed one (``fastdeploy_control.ControlRefused`` for a control request
+    that is answered at once)."""
+    if is_control_item(item):
+        call = parse_control_request(item[1])
+        return call.wire_task(), Entry(call.request_id, item[0], "control", (call,)), control_timeout, 0.0
     if not isinstance(item, (tuple, list)) or len(item) not in (2, 5):
         raise ValueError(f"a transfer task is a 5-tuple (swap, or legacy storage) or a 2-tuple "
                          f"(event_type, storage task), got {type(item).__name__} of length "

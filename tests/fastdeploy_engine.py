@@ -6,6 +6,8 @@ CTM per rank launched with FastDeploy's flags.  ``close()`` stops the CTMs and u
 (``FD_ENGINE_TASK_QUEUE_WITH_SHM=1``); ``fastdeploy_signals=True`` creates the signals under
 FastDeploy's names with its ``IPCSignal``'s semantics (``engine_hooks.fastdeploy_signals``), as its
 engine and prefix cache manager do; ``launch_like_fastdeploy`` starts a CTM as FastDeploy does.
+``control`` puts a FastDeploy control request and returns its ``ControlResponse``; ``free_caches`` and
+``recreate_caches`` are what FastDeploy's worker does to its KV caches on a sleep and a wakeup.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import numpy as np
 
 import ops
 from cache_manager.cache_data import (CACHE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL, KV_CACHE_STATUS_SIGNAL,
-                                      PER_RANK_SIGNALS, WORKER_HEALTHY_LIVE_SIGNAL)
+                                      PER_RANK_SIGNALS, WORKER_HEALTHY_LIVE_SIGNAL, CacheStatus)
 from cache_manager.ipc_signal import IPCSignal
 from cache_manager.queue.unix_address import fastdeploy_queue_path
 from engine_hooks.device_caches import CacheSpec, DeviceCaches
@@ -42,8 +44,10 @@ class FastDeployEngine:
     def __init__(self, tp: int = 2, authkey: bytes = DEFAULT_AUTHKEY, storage_root: str | None = None,
                  spec: CacheSpec = SPEC, num_cpu_blocks: int = NUM_CPU_BLOCKS, unix_socket: bool = False,
                  fastdeploy_signals: bool = False, port: int | None = None, cache_queue_port: int | None = None,
-                 **queue_kw: Any):
+                 model_path: str = "", **queue_kw: Any):
         self.tp, self.spec, self.num_cpu_blocks, self.storage_root = tp, spec, num_cpu_blocks, storage_root
+        self.model_path = model_path  # FastDeploy's --model_path: where its version.yaml is
+        self._controls = 0  # control requests put (their default ids)
         self.port = port or free_port()  # engine_worker_queue_port: the suffix of signals and segments
         # FastDeploy's local_cache_queue_port: with a Unix-socket queue only a number in the socket's name
         self.cache_queue_port = (cache_queue_port or free_port()) if unix_socket else None
@@ -97,6 +101,8 @@ class FastDeployEngine:
             "max_model_len": 64, "platform": "cpu", "log_dir": self.log_dir, "engine_pid": os.getpid(),
             "attach_timeout": 20,
         }
+        if self.model_path:
+            flags["model_path"] = self.model_path
         if self.storage_root:
             flags["kvcache_storage_backend"] = "file"
             flags["storage_options"] = json.dumps({"root": self.storage_root, "fsync": False})
@@ -148,6 +154,28 @@ class FastDeployEngine:
         rng = np.random.default_rng(seed)
         for view in self.views().values():
             view[:] = rng.integers(0, 256, view.shape, dtype=np.uint8)
+
+    def control(self, method: str, args: dict | None = None, request_id: str | None = None,
+                timeout: float = 20.0) -> Any:
+        """Put FastDeploy's ``(CacheStatus.CTRL, ControlRequest)`` (as a dict) and return its response."""
+        self._controls += 1
+        rid = request_id or f"{method}-{self._controls}"
+        self.queue.put_transfer_task((CacheStatus.CTRL, {"request_id": rid, "method": method, "args": args or {}}))
+        return self.queue.get_control_response(rid, timeout)
+
+    def free_caches(self) -> None:
+        """FastDeploy's worker on a sleep: its KV caches freed (segments unlinked), ``cache_ready`` 0."""
+        self.caches.close()
+        self.signals[CACHE_READY_SIGNAL].value[:self.tp] = 0
+
+    def recreate_caches(self, seed: int) -> None:
+        """FastDeploy's worker on a wakeup: NEW caches under the same names, filled from ``seed``, then
+        ``cache_ready`` 1 per rank."""
+        self.caches = DeviceCaches(self.platform, self.spec, self.tp, list(range(self.tp)))
+        for rank in range(self.tp):
+            self.caches.create_rank(rank)
+        self.fill(seed)
+        self.signals[CACHE_READY_SIGNAL].value[:self.tp] = 1
 
     def signals_for(self, n: int, timeout: float = 20.0) -> list[Any]:
         """Poll ``get_transfer_done_signal`` (as FastDeploy's recv thread does) until ``n`` arrived."""

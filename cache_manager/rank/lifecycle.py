@@ -67,6 +67,43 @@ def _enabled(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def detach_rank(resources: RankResources, signals: RankSignals, rank: int) -> bool:
+    """Let go of the engine's caches: close the storage mover (it reads them; bounded), free the host
+    swap space when ``FD_ENABLE_SWAP_SPACE_CLEARING`` is set (else it is kept and re-planned onto the
+    next caches), detach every cache, and say so (``cache_ready`` and ``cache_transfer_inited`` of
+    ``rank`` to 0: the next attach waits for the engine's new ``cache_ready``).  Only once no task
+    holds a block.  Returns whether the swap space was freed.  The RL clear and FastDeploy's sleep
+    (``rank.control``) share it."""
+    resources.close_storage()
+    swap_freed = _enabled(SWAP_CLEARING_ENV)
+    if swap_freed:
+        resources.free_swap()
+        signals[SWAP_SPACE_READY_SIGNAL].value[rank] = 0
+    resources.detach()
+    signals[CACHE_TRANSFER_INITED_SIGNAL].value[rank] = 0
+    signals[CACHE_READY_SIGNAL].value[rank] = 0
+    return swap_freed
+
+
+def reattach_rank(resources: RankResources, signals: RankSignals, rank: int, reread_version: bool) -> None:
+    """Attach the engine's (new) caches once its ``cache_ready`` says they exist, rebuild the swap space
+    (or re-plan the kept one), re-read the storage key prefix from ``<model_path>/version.yaml`` when
+    ``reread_version``, re-open storage under that namespace, and set ``swap_space_ready`` and
+    ``cache_transfer_inited``.  On failure the rank is left detached and the error raised."""
+    try:
+        resources.attach()
+        resources.alloc_swap()
+        if reread_version:
+            resources.reload_model_version()
+        resources.open_storage()
+    except BaseException:
+        resources.close_storage()
+        resources.detach()
+        raise
+    signals[SWAP_SPACE_READY_SIGNAL].value[rank] = 1
+    signals[CACHE_TRANSFER_INITED_SIGNAL].value[rank] = 1
+
+
 class ActiveTasks(Protocol):
     def active(self) -> int: ...
 
@@ -161,17 +198,10 @@ class KvCacheLifecycle:
             return
         if not self._storage_closed():
             return
-        rank, resources = self._rank, self._resources
-        resources.close_storage()  # the namespace changes with the weights (closing began: no wait here)
-        if _enabled(SWAP_CLEARING_ENV):
-            resources.free_swap()
-            self._swap_freed = True
-            self._signals[SWAP_SPACE_READY_SIGNAL].value[rank] = 0
-        resources.detach()  # a swap space not freed is kept, and re-planned onto the restored caches
+        # the namespace changes with the weights (the storage close began: no wait there)
+        self._swap_freed = detach_rank(self._resources, self._signals, self._rank)
         self.detached = True
-        self._signals[CACHE_TRANSFER_INITED_SIGNAL].value[rank] = 0
-        self._signals[CACHE_READY_SIGNAL].value[rank] = 0
-        self._log.info("[RL] rank %d cleared: caches detached%s", rank,
+        self._log.info("[RL] rank %d cleared: caches detached%s", self._rank,
                        ", swap space freed" if self._swap_freed else "")
 
     def _storage_closed(self) -> bool:
@@ -202,17 +232,10 @@ class KvCacheLifecycle:
         self._log.info("[RL] restoring caches: waiting for cache_ready_signal")
         try:
             resources.wait_cache_ready()
-            resources.attach()
-            resources.alloc_swap()
-            resources.reload_model_version()
-            resources.open_storage()
+            reattach_rank(resources, self._signals, rank, reread_version=True)
         except Exception:
             self._log.exception("[RL] rank %d failed to restore its caches; it stays cleared", rank)
-            resources.close_storage()
-            resources.detach()
             self._stop_event.wait(RESTORE_RETRY_PAUSE)  # the status stays UPDATING; the engine's restore names this rank
             return
         self.cleared, self.detached, self._swap_freed = False, False, False
-        self._signals[SWAP_SPACE_READY_SIGNAL].value[rank] = 1
-        self._signals[CACHE_TRANSFER_INITED_SIGNAL].value[rank] = 1
         self._log.info("[RL] rank %d restored (namespace %s)", rank, resources.namespace())

@@ -122,6 +122,7 @@ class TaskScheduler:
         self._deadlines: list[tuple[float, int, _Entry]] = []  # heap over waiting tasks; stale heads are skipped
         self.dropped = 0  # tasks answered without being started (deadline passed)
         self._active = 0  # tasks submitted and not finished (waiting, running, or held by a late I/O)
+        self._active_by_pool: dict[str, int] = {}  # the same, per pool: a drain leaves the control pool out
 
     # ------------------------------------------------------------------ intake (serve thread)
     def submit(self, task_id: str, seq: int, pool: str, resources: Iterable[Resource], deadline: float | None,
@@ -132,6 +133,7 @@ class TaskScheduler:
         entry = _Entry(task_id, seq, pool, fn, frozenset(resources), deadline, drop_value)
         with self._lock:
             self._active += 1
+            self._active_by_pool[pool] = self._active_by_pool.get(pool, 0) + 1
             # A load names a resource per block and slot (128 for 64 blocks): looked up and
             # claimed with C-level map and update, not a Python step per resource.
             earlier = set(map(self._last.get, entry.resources))
@@ -180,10 +182,11 @@ class TaskScheduler:
         with self._lock:
             return len(self._waiting)
 
-    def active(self) -> int:
-        """Tasks not finished: waiting, running, or holding their blocks for a late I/O."""
+    def active(self, excluding: Iterable[str] = ()) -> int:
+        """Tasks not finished: waiting, running, or holding their blocks for a late I/O; ``excluding``
+        leaves those of the named pools out (a pause drains every task but the control tasks)."""
         with self._lock:
-            return self._active
+            return self._active - sum(self._active_by_pool.get(p, 0) for p in excluding)
 
     # ------------------------------------------------------------------ internals
     def _unblock(self, entry: _Entry) -> None:
@@ -260,6 +263,7 @@ class TaskScheduler:
     def _finish(self, entry: _Entry) -> None:
         with self._lock:
             self._active -= 1
+            self._active_by_pool[entry.pool] -= 1
             for r in entry.resources:
                 if self._last.get(r) is entry:
                     del self._last[r]
