@@ -76,6 +76,14 @@ def _flag(text: str) -> bool:
 
 
 NPU_COPY_ENGINE_DEFAULT = "acl"
+# FastDeploy (develop, 2026-05) passes --create_cache_tensor when a storage backend is set in mixed mode, and its
+# worker then waits for the CTM to allocate the caches.  A CTM never allocates them (DESIGN §1): waiting for a
+# cache_ready_signal that no one sets would only fail after --attach_timeout, the worker waiting for ever.
+CREATE_CACHE_TENSOR_REFUSED = (
+    "argument --create_cache_tensor: this CTM never allocates the device caches; the engine's worker creates "
+    "and exports them, then sets cache_ready_signal. FastDeploy passes the flag when its worker waits for the "
+    "CTM to create them (a storage backend in mixed mode): make the worker create them (FastDeploy #8046) and "
+    "drop --create_cache_tensor from launch_cache_manager's command (docs/fastdeploy.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdma_port", default="")
     p.add_argument("--speculative_config", type=_json, default={})
     p.add_argument("--create_cache_tensor", type=_flag, nargs="?", const=True, default=False,
-                   help="FastDeploy compatibility only: a CTM never allocates device caches")
+                   help="FastDeploy's request that the CTM allocate the device caches: refused (a CTM never "
+                        "does; the engine's worker creates them); 0 is accepted")
     p.add_argument("--kvcache_storage_backend", default="none", choices=backend_names() + ("none",))
     p.add_argument("--write_policy", default="write_through",
                    choices=["write_through", "write_back", "write_through_selective", "none"],
@@ -145,6 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.value_cache_shape and args.value_cache_shape[0] != args.key_cache_shape[0]:
         parser.error(f"argument --value_cache_shape: {args.value_cache_shape[0]} blocks, "
                      f"--key_cache_shape has {args.key_cache_shape[0]}")
+    if args.create_cache_tensor:
+        parser.error(CREATE_CACHE_TENSOR_REFUSED)
     if args.attach_timeout <= 0:
         parser.error(f"argument --attach_timeout: {args.attach_timeout} must be positive")
     if not 0 < args.rl_barrier_timeout <= MAX_BARRIER_TIMEOUT:

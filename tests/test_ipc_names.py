@@ -56,7 +56,8 @@ def test_names_with_a_token_and_without():
     suffix = ipc_suffix(8700, token)
     assert suffix == f"8700.{token}"
     assert signal_segment_name("cache_ready_signal", suffix) == f"ctm.8700.{token}.cache_ready_signal"
-    assert signal_segment_name("cache_ready_signal", 8700) == "ctm.cache_ready_signal.8700"  # FastDeploy's
+    # ours without a token, port only; FastDeploy's own is "cache_ready_signal.8700" (fastdeploy_segment_name)
+    assert signal_segment_name("cache_ready_signal", 8700) == "ctm.cache_ready_signal.8700"
     assert ipc_suffix(8700, None) == "8700"
     for bad in ("", "0123", "0123456789ABCDEF", "../../etc/passwd", "0123456789abcdef0"):
         with pytest.raises(ValueError, match="IPC token"):
