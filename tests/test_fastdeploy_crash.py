@@ -1,4 +1,8 @@
-"""A FastDeploy engine that dies takes the CTMs it launched with it, however they were launched:
+"""FastDeploy's engine as it runs today, end to end: its Unix-socket queue address, its signal names,
+CTMs launched through a shell, a swap, its control requests answered (pause, resume, sleep, wakeup
+onto new caches), then a SIGKILL of the engine.
+
+A FastDeploy engine that dies takes the CTMs it launched with it, however they were launched:
 FastDeploy starts them through a shell, ``Popen(cmd, shell=True, preexec_fn=os.setsid)``, with no
 engine pid, so a CTM's parent is a shell that outlives the engine.  The CTM watches the process at
 the other end of its queue link instead (the kernel's peer credentials, a pidfd), and removes what
@@ -15,15 +19,31 @@ import time
 
 from engine_hooks.launcher import REPO_ROOT
 
-# The engine: FastDeploy's Unix-socket queue and signal names, two CTMs launched as FastDeploy does.
+# The engine: FastDeploy's Unix-socket queue and signal names, two CTMs launched as FastDeploy does,
+# a swap and its control requests; it reports what it saw, then waits to be killed.
 ENGINE = textwrap.dedent("""
     import json, os, sys, time
+    import numpy as np
+    from cache_manager.cache_data import CacheStatus
     from tests.fastdeploy_engine import FastDeployEngine
-    engine = FastDeployEngine(tp=2, unix_socket=True, fastdeploy_signals=True)
+    engine = FastDeployEngine(tp=2, unix_socket=True, fastdeploy_signals=True, control_timeout=20.0)
     for rank in range(2):
         engine.launch_like_fastdeploy(rank)
     engine.wait_ready([0, 1], 60)
-    print(json.dumps({"port": engine.port, "shells": [s.pid for s in engine.shells],
+    codes = {m: engine.control(m).error_code for m in ("pause", "resume")}
+    codes["sleep"] = engine.control("sleep", {"tags": "weight,kv_cache"}).error_code
+    engine.free_caches()  # the worker frees its caches, then makes new ones at the wakeup
+    engine.queue.put_transfer_task((CacheStatus.CTRL, {"request_id": "wake", "method": "wakeup",
+                                                       "args": {"tags": "weight,kv_cache"}}))
+    engine.recreate_caches(seed=7)
+    codes["wakeup"] = engine.queue.get_control_response("wake", 20).error_code
+    before = {k: v[3].copy() for k, v in engine.views().items()}
+    engine.queue.put_transfer_task((CacheStatus.SWAP2CPU, "out", [1], [3], [0]))  # on the new caches
+    engine.queue.put_transfer_task((CacheStatus.SWAP2GPU, "in", [1], [9], [0]))
+    engine.signals_for(2)
+    swapped = all(np.array_equal(v[9], before[k]) for k, v in engine.views().items())
+    print(json.dumps({"port": engine.port, "shells": [s.pid for s in engine.shells], "codes": codes,
+                      "swap_bit_exact": swapped,
                       "ctms": [p.pid for p in engine.queue._core._joined_processes().values()],
                       "queue_dir": os.path.dirname(engine.queue.server.ipc_path)}), flush=True)
     time.sleep(120)  # until the test kills it
@@ -55,6 +75,8 @@ def test_a_killed_engine_takes_its_shell_launched_ctms_and_leaves_nothing_in_dev
         line = engine.stdout.readline()
         assert line, (tmp_path / "engine.err").read_text()[-3000:]
         info = json.loads(line)
+        assert info["codes"] == {"pause": 200, "resume": 200, "sleep": 200, "wakeup": 200}, info["codes"]
+        assert info["swap_bit_exact"], "a swap after the wakeup did not move the new caches' bytes"
         procs = info["shells"] + info["ctms"]
         assert len(procs) == 4 and all(running(p) for p in procs)
         before = segments_of(info["port"])
