@@ -31,6 +31,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from acl._shared import pid_alive  # the pyACL stand-in this one runs on: one liveness rule for both
+
 REGISTRY_FILE = "llm_datadist_registry.json"
 LOCK_FILE = "llm_datadist_registry.lock"
 _EMPTY = {"servers": {}, "caches": {}, "links": {}, "comms": {}}
@@ -42,16 +44,6 @@ def _root() -> Path:
     if not value:
         raise RuntimeError("the LLM-DataDist stand-in runs on the pyACL stand-in and needs $ACL_STANDIN_DIR")
     return Path(value)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def now() -> int:
