@@ -87,7 +87,8 @@ class StreamBroken(Exception):
 
 
 class CacheTransferManager:
-    def __init__(self, args: argparse.Namespace, log: logging.Logger, queue_endpoint: str | None = None):
+    def __init__(self, args: argparse.Namespace, log: logging.Logger, queue_endpoint: str | None = None,
+                 engine_watch: EngineWatch | None = None):
         self.args = args
         # the queue: tcp://pod_ip:cache_queue_port, or the engine's Unix socket (``unix_address``)
         self.queue_endpoint = queue_endpoint or f"tcp://{args.pod_ip}:{args.cache_queue_port}"
@@ -111,7 +112,7 @@ class CacheTransferManager:
         self.lifecycle: KvCacheLifecycle | None = None  # RL weight updates: clear and restore the caches
         self.control: RankControl | None = None  # control tasks: FastDeploy's pause/resume/sleep/wakeup/update_weights
         self.recv_seq = 0
-        self.engine_watch = EngineWatch(args.engine_pid, log)
+        self.engine_watch = engine_watch or EngineWatch(args.engine_pid, log)
         self._next_engine_check = 0.0
         self.resources = RankResources(args, self.spec, self.platform, self.signals, log, self.stop_event,
                                        self._check_engine)
@@ -346,6 +347,9 @@ class CacheTransferManager:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = rank_logger(args.rank, args.log_dir)
+    # Made first: it notes who launched this process while that one still runs (paddle's import
+    # takes seconds, and an engine may die meanwhile).
+    watch = EngineWatch(args.engine_pid, log)
     try:
         wire.load_secret()
         endpoint = ctm_queue_endpoint(args.pod_ip, args.cache_queue_port)  # as FastDeploy maps the port
@@ -354,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     importlib.import_module("paddle")  # paddle installs fatal-error signal handlers on import: ours must come after
 
-    ctm = CacheTransferManager(args, log, endpoint)
+    ctm = CacheTransferManager(args, log, endpoint, watch)
 
     def install_handlers() -> None:
         signal.signal(signal.SIGTERM, lambda *_: ctm.stop_event.set())

@@ -5,7 +5,10 @@ names the process itself, so a reused pid cannot fool it), else the parent; and,
 the queue over its local link, the process the kernel names at the link's other end
 (``watch_engine``).  That last one is what ends a CTM FastDeploy launched: through
 ``Popen(cmd, shell=True, preexec_fn=os.setsid)`` without an engine pid, its parent is a shell that
-outlives the engine.  A
+outlives the engine.  Until then (a CTM waits for the engine's caches before it joins the queue)
+a CTM launched through ``sh -c`` without an engine pid watches the shell's parent, the process that
+launched it, as it would watch its own parent: an engine that dies while starting up takes its
+CTMs with it at once, not at ``--attach_timeout``.  A
 ``worker_healthy_live_signal`` that stops changing for ``FD_CACHE_PROC_EXIT_TIMEOUT`` seconds
 (on this process's monotonic clock, so wall-clock steps do not matter) is logged and nothing more:
 a paused engine (SIGSTOP, a debugger, swapped out) still owns its caches.
@@ -26,6 +29,35 @@ from cache_manager.queue.unix_address import private_dir_problem
 from cache_manager.queue.wire import SECRET_ENV, SECRET_FILE_ENV
 
 EXIT_TIMEOUT_ENV = "FD_CACHE_PROC_EXIT_TIMEOUT"
+SHELLS = ("sh", "bash", "dash", "zsh", "ksh", "ash", "busybox")
+
+
+def shell_launcher(ppid: int) -> int | None:
+    """The process that started this one through ``<shell> -c`` (FastDeploy's ``Popen(cmd,
+    shell=True)``): the parent shell's parent; None when the parent is no such shell."""
+    try:
+        with open(f"/proc/{ppid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        with open(f"/proc/{ppid}/stat") as f:
+            grandparent = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    name = os.path.basename(argv[0].decode(errors="replace")).lstrip("-")
+    if name in SHELLS and b"-c" in argv[1:3] and grandparent > 1:
+        return grandparent
+    return None
+
+
+def _open_pidfd(pid: int) -> int | None:
+    """A pidfd on ``pid``; -1 where pidfds are not available; None if it is already gone."""
+    if not hasattr(os, "pidfd_open"):
+        return -1
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    except OSError:
+        return -1
 
 
 class EngineGone(Exception):
@@ -44,6 +76,14 @@ class EngineWatch:
         self._beat_stale_logged = False
         self._linked: tuple[int, int] | None = None  # (pid, pidfd or -1) of the engine behind the queue's link
         self._linked_gone = False  # sticky: once gone, a later holder of its pid changes nothing
+        # Before the link: with no engine pid, the process that launched us through a shell.
+        self._launcher: tuple[int, int] | None = None
+        self._launcher_gone = False
+        launcher = shell_launcher(self.parent_pid) if engine_pid is None else None
+        if launcher is not None:
+            fd = _open_pidfd(launcher)
+            self._launcher, self._launcher_gone = (launcher, -1 if fd is None else fd), fd is None
+            log.info("launched through a shell by process %d: watching it until the queue names the engine", launcher)
 
     def watch_engine(self, pid: int) -> None:
         """Also treat the end of process ``pid`` (the engine, as the queue's local link names it) as the
@@ -51,15 +91,10 @@ class EngineWatch:
         opened here names it and not a later holder of its pid."""
         if pid <= 0 or pid == self.engine_pid or self._linked is not None:
             return
-        fd = -1
-        if hasattr(os, "pidfd_open"):
-            try:
-                fd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                self._linked, self._linked_gone = (pid, -1), True
-                return
-            except OSError:
-                fd = -1  # no pidfd here: the pid itself is watched
+        fd = _open_pidfd(pid)
+        if fd is None:
+            self._linked, self._linked_gone = (pid, -1), True
+            return
         self._linked = (pid, fd)
         self._log.info("watching engine process %d, the queue's end of the local link", pid)
 
@@ -69,9 +104,15 @@ class EngineWatch:
             self._linked_gone = bool(select.select([fd], [], [], 0)[0]) if fd >= 0 else not pid_alive(pid)
         return self._linked_gone
 
+    def _launcher_exited(self) -> bool:
+        if self._launcher is not None and self._linked is None and not self._launcher_gone:
+            pid, fd = self._launcher
+            self._launcher_gone = bool(select.select([fd], [], [], 0)[0]) if fd >= 0 else not pid_alive(pid)
+        return self._launcher_gone and self._linked is None
+
     def engine_exited(self) -> bool:
         """True once the engine process is gone."""
-        if self._linked_exited():
+        if self._linked_exited() or self._launcher_exited():
             return True
         if self.engine_pid is None:
             return os.getppid() != self.parent_pid
@@ -92,6 +133,8 @@ class EngineWatch:
             who = f"engine process {self.engine_pid}" if self.engine_pid else f"parent {self.parent_pid}"
             if self._linked_gone:
                 who = f"engine process {self._linked[0]} (the queue's end of the local link)"
+            elif self._launcher_gone and self._linked is None:
+                who = f"process {self._launcher[0]}, which launched this CTM through a shell"
             raise EngineGone(f"{who} is gone")
         if heartbeat is None:
             return

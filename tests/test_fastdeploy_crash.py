@@ -109,3 +109,71 @@ def test_a_killed_engine_takes_its_shell_launched_ctms_and_leaves_nothing_in_dev
             except ProcessLookupError:
                 pass
         err.close()
+
+
+# An engine that dies while its CTMs still wait for its caches (before they join the queue).
+STARTING_ENGINE = textwrap.dedent("""
+    import json, time
+    from cache_manager.cache_data import CACHE_READY_SIGNAL
+    from tests.fastdeploy_engine import FastDeployEngine
+    engine = FastDeployEngine(tp=2, unix_socket=True, fastdeploy_signals=True)
+    engine.signals[CACHE_READY_SIGNAL].value[:] = 0  # the worker is still loading the model
+    for rank in range(2):
+        engine.launch_like_fastdeploy(rank)
+    print(json.dumps({"port": engine.port, "shells": [s.pid for s in engine.shells]}), flush=True)
+    time.sleep(120)  # until the test kills it
+""")
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def test_an_engine_killed_while_its_shell_launched_ctms_wait_for_its_caches_takes_them_at_once(tmp_path):
+    err = open(tmp_path / "engine.err", "wb")
+    engine = subprocess.Popen([sys.executable, "-c", STARTING_ENGINE], stdout=subprocess.PIPE, stderr=err, text=True,
+                              env={**os.environ, "PYTHONPATH": REPO_ROOT, "CTM_LOG_DIR": str(tmp_path)},
+                              cwd=REPO_ROOT)
+    info = None
+    try:
+        line = engine.stdout.readline()
+        assert line, (tmp_path / "engine.err").read_text()[-3000:]
+        info = json.loads(line)
+        deadline = time.monotonic() + 20
+        ctms: list[int] = []
+        while len(ctms) < 2:  # each shell's child: the CTM, waiting for cache_ready (attach timeout 20 s)
+            ctms = [c for shell in info["shells"] for c in children(shell)]
+            assert time.monotonic() < deadline, "the shells never started their CTMs"
+            time.sleep(0.05)
+        time.sleep(2.0)  # the CTMs are up (past their first lines) and waiting
+        assert all(running(p) for p in ctms)
+        engine.send_signal(signal.SIGKILL)
+        engine.wait(10)
+        killed = time.monotonic()
+        while any(running(p) for p in ctms) and time.monotonic() - killed < 15:
+            time.sleep(0.05)
+        gone_after = time.monotonic() - killed
+        assert gone_after < 5, f"the waiting CTMs took {gone_after:.1f}s to follow their engine (attach timeout 20 s)"
+        deadline = time.monotonic() + 5
+        while segments_of(info["port"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert segments_of(info["port"]) == [], "the dead engine's segments were left in /dev/shm"
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(10)
+        for pid in (info["shells"] if info else []):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        err.close()
