@@ -12,14 +12,12 @@ a shell, as FastDeploy starts them; ``role`` is ``mixed``, ``prefill`` or ``deco
 """
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 import os
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
 
 from cache_manager.queue.unix_address import SHM_QUEUE_ENV
 from cache_manager.queue.wire import SECRET_ENV
@@ -31,30 +29,6 @@ from tests.fastdeploy_engine import FastDeployEngine
 FD_SCRIPT = "{py_path}"  # os.path.join(<fastdeploy>/cache_manager, "cache_transfer_manager.py")
 CTM_MODULE = "-m cache_manager.cache_transfer_manager"
 CREATE_CACHE_TENSOR = " --create_cache_tensor"
-
-
-class FDCacheStatus(enum.Enum):  # FastDeploy's CacheStatus is a plain Enum
-    GPU2STORAGE = 4
-    STORAGE2GPU = 5
-
-
-@dataclass(frozen=True, kw_only=True)
-class FDWriteStorageTask:  # FastDeploy's cache_manager/cache_tasks.py
-    task_id: str
-    keys: list
-    token_ids: list | None
-    gpu_block_ids: list
-    timeout: float = 30.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class FDReadStorageTask:  # keys[i] loads into gpu_block_ids[i]; start_read_block_idx: where keys[0] sits
-    task_id: str
-    keys: list
-    token_ids: list | None
-    gpu_block_ids: list
-    start_read_block_idx: int
-    timeout: float = 30.0
 
 
 def pd_storage_keys(token_ids: list[int], block_size: int) -> list[str]:

@@ -20,8 +20,8 @@ from cache_manager.ctm_flags import parse_args
 from cache_manager.queue.wire import SECRET_FILE_ENV
 from engine_hooks.fastdeploy_queue import EngineCacheQueue
 from engine_hooks.launcher import REPO_ROOT
-from tests.fastdeploy_pd_engine import (CREATE_CACHE_TENSOR, CTM_MODULE, FD_SCRIPT, FastDeployPDEngine, FDCacheStatus,
-                                        FDReadStorageTask, FDWriteStorageTask, adopt, pd_storage_keys)
+from tests.fastdeploy_pd_engine import CREATE_CACHE_TENSOR, CTM_MODULE, FD_SCRIPT, FastDeployPDEngine, adopt, pd_storage_keys
+from tests.fastdeploy_types import FDCacheStatus, FDReadStorageTask, FDWriteStorageTask
 
 README = os.path.join(REPO_ROOT, "README.md")
 DOC = os.path.join(REPO_ROOT, "docs", "fastdeploy.md")

@@ -5,11 +5,9 @@ sleep and wakeup), each answered by a ``ControlResponse``.
 Before: ``put_transfer_task`` raised ``ValueError`` for CTRL, so a FastDeploy sleep/wakeup left the CTMs on
 the freed segments (a storage read after the wakeup put 4 of 4 blocks of wrong KV in front of the engine)
 and an update_weights left old keys hitting."""
-import enum
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -18,20 +16,10 @@ from cache_manager.cache_data import CACHE_TASK_INFLIGHT_SIGNAL, CACHE_TASK_IS_P
 from cache_manager.cache_tasks import ReadStorageTask, WriteStorageTask
 from cache_manager.queue import wire
 from tests.fastdeploy_engine import FastDeployEngine
+from tests.fastdeploy_types import FDCacheStatus, FDControlRequest
 
 AUTHKEY = b"an engine's own authkey"
 KEYS = ["blk-a", "blk-b", "blk-c", "blk-d"]
-
-
-class FDCacheStatus(enum.Enum):  # FastDeploy's CacheStatus is a plain Enum
-    CTRL = -1
-
-
-@dataclass
-class FDControlRequest:  # FastDeploy's ControlRequest (fastdeploy/engine/request.py): request_id, method, args
-    request_id: str
-    method: str
-    args: dict = field(default_factory=dict)
 
 
 @pytest.fixture(autouse=True)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from cache_manager.queue.wire import SECRET_FILE_ENV
-from tests.fastdeploy_pd_engine import (FastDeployPDEngine, FDCacheStatus, FDReadStorageTask, FDWriteStorageTask,
-                                        pd_storage_keys)
+from tests.fastdeploy_pd_engine import FastDeployPDEngine, pd_storage_keys
+from tests.fastdeploy_types import FDCacheStatus, FDReadStorageTask, FDWriteStorageTask
 
 BLOCK = 4  # tests.fastdeploy_engine.SPEC.block_size
 

@@ -1,12 +1,10 @@
 """FastDeploy's EngineCacheQueue API driving real CTM processes at TP=2, the way FastDeploy's prefix
 cache manager does: put_transfer_task, then poll get_transfer_done_signal."""
-import enum
 import hashlib
 import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -17,34 +15,9 @@ from cache_manager.cache_tasks import ReadStorageTask, WriteStorageTask
 from engine_hooks.fastdeploy_queue import EngineCacheQueue
 from engine_hooks.launcher import launch
 from tests.fastdeploy_engine import FastDeployEngine
+from tests.fastdeploy_types import FDCacheStatus, FDReadStorageTask, FDWriteStorageTask
 
 AUTHKEY = b"an engine's own authkey"
-
-
-class FDCacheStatus(enum.Enum):  # FastDeploy's CacheStatus is a plain Enum
-    SWAP2CPU = 1
-    SWAP2GPU = 2
-    GPU2STORAGE = 4
-    STORAGE2GPU = 5
-
-
-@dataclass(frozen=True, kw_only=True)
-class FDReadStorageTask:  # FastDeploy's: keys[i] loads into gpu_block_ids[i]; start is keys[0]'s block index
-    task_id: str
-    keys: list
-    token_ids: list | None
-    gpu_block_ids: list
-    start_read_block_idx: int
-    timeout: float = 30.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class FDWriteStorageTask:
-    task_id: str
-    keys: list
-    token_ids: list | None
-    gpu_block_ids: list
-    timeout: float = 30.0
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
