@@ -46,6 +46,12 @@ TRANSPORT_CHOICES = ("auto", "ipc", "datadist", "mooncake")
 DEFAULT_OFFER = ("ipc", "datadist")  # each rank offers what its platform can: ipc on CPU, datadist on NPU
 
 
+def offer_for(transport: str) -> list[str]:
+    """What a descriptor offers for a link over ``transport`` (one of ``TRANSPORT_CHOICES``): what
+    each platform can by default, and the Transfer Engine, which opens only when asked for."""
+    return ["ipc", "mooncake"] if transport == "mooncake" else list(DEFAULT_OFFER)
+
+
 class PrefillDecode:
     def __init__(self, service: Any, instance_id: str | None = None, control_timeout: float = 30.0):
         if service.server is None:
@@ -81,8 +87,7 @@ class PrefillDecode:
             raise ValueError("a peer descriptor is a map with a non-empty list of 'ranks'")
         if peer.get("tp") != len(peer["ranks"]):
             raise ValueError(f"peer descriptor tp {peer.get('tp')!r} but {len(peer['ranks'])} ranks")
-        wanted = offer or (["ipc", "mooncake"] if transport == "mooncake" else list(DEFAULT_OFFER))
-        local = self.descriptor(wanted)
+        local = self.descriptor(offer or offer_for(transport))
         answers = self._control("pd_link", local=local["ranks"], peer=peer["ranks"],
                                 transport=None if transport == "auto" else transport)
         chosen = set(answers)

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from engine_hooks import CacheSpec, CacheTransferService
-from engine_hooks.pd import PrefillDecode
+from engine_hooks.pd import PrefillDecode, offer_for
 
 KiB, MiB = 1 << 10, 1 << 20
 HEAD_DIM, ITEM = 128, 2  # bf16
@@ -89,7 +89,7 @@ class PairBench:
             raise
 
     def link(self, transport: str) -> None:
-        offer = ["ipc", "mooncake"] if transport == "mooncake" else ["ipc"]
+        offer = offer_for(transport)
         for peer in (self.hetero, self.same):
             if peer.instance_id in self.d.linked():
                 self.d.unlink(peer.instance_id)

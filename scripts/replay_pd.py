@@ -42,7 +42,7 @@ import numpy as np
 
 from engine_hooks import CacheTransferService
 from engine_hooks.late_tasks import bytes_moved, released_of
-from engine_hooks.pd import TRANSPORT_CHOICES, PrefillDecode
+from engine_hooks.pd import TRANSPORT_CHOICES, PrefillDecode, offer_for
 from engine_hooks.prefix_cache import CapacityError, TieredPrefixCache, TierStats
 from replay_instances import Router
 from replay_pd_decode import DecodeInstance, PDStats
@@ -282,7 +282,7 @@ class PrefillInstance:
 # ---------------------------------------------------------------------------- run
 def link_all(prefills: list[PrefillInstance], decodes: list[DecodeInstance], transport: str) -> str:
     """Link every P/D pair both ways (D pulls from P, P pushes into D); the transport chosen."""
-    offer = ["ipc", "mooncake"] if transport == "mooncake" else ["ipc"]
+    offer = offer_for(transport)
     chosen = set()
     for p in prefills:
         for d in decodes:

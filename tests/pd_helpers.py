@@ -168,6 +168,47 @@ def instance_pair(spec, **service_args) -> Iterator[tuple]:
         yield p_svc, d_svc, p, d
 
 
+def pair_fixtures(spec, **service_args) -> tuple:
+    """Module-scoped fixtures ``pair`` (CPU) and ``npu_pair`` (``npu_instance_pair``) of ``spec``:
+    ``pair, npu_pair = pair_fixtures(SPEC)`` in a test module; ``pair_for`` picks one."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def pair():
+        with instance_pair(spec, **service_args) as instances:
+            yield instances
+
+    @pytest.fixture(scope="module")
+    def npu_pair(tmp_path_factory):
+        with npu_instance_pair(spec, tmp_path_factory.mktemp("acl"), **service_args) as instances:
+            yield instances
+
+    return pair, npu_pair
+
+
+def pair_for(request, transport: str) -> tuple:
+    """The CPU pair, or the NPU pair for LLM-DataDist (the transport NPU ranks offer)."""
+    return request.getfixturevalue("npu_pair" if transport == "datadist" else "pair")
+
+
+def link_both(p, d, transport: str, chosen: str | None = None) -> None:
+    """Link a prefill side and a decode side of this process both ways, offering what
+    ``transport`` needs and asking for ``chosen`` (default: ``transport`` itself)."""
+    from engine_hooks.pd import offer_for
+
+    for side, peer in ((p, d), (d, p)):
+        assert side.link(peer.descriptor(offer_for(transport)), transport=chosen or transport) == transport
+
+
+def link_child(side, child: "PeerInstance", transport: str) -> str:
+    """Link ``side`` and a child instance both ways over ``transport``; the transport ``side`` chose."""
+    from engine_hooks.pd import offer_for
+
+    offer = offer_for(transport)
+    child.call("link", peer=side.descriptor(offer), transport=transport)
+    return side.link(child.call("descriptor", offer=offer), transport=transport)
+
+
 @contextlib.contextmanager
 def npu_instance_pair(spec, tmp_dir, **service_args) -> Iterator[tuple]:
     """``instance_pair`` on ``--platform npu`` over the pyACL and LLM-DataDist stand-ins (importable

@@ -9,7 +9,7 @@ import pytest
 
 from cache_manager.cache_spec import CacheSpec
 from engine_hooks.errors import TaskFailedError, TaskTimeoutError
-from tests.pd_helpers import child_instance, local_digests, local_instance
+from tests.pd_helpers import child_instance, link_child, local_digests, local_instance
 from transfer_factory.peer.te import listening_ports
 from tests.service_helpers import fill_distinct, process_gone
 
@@ -28,17 +28,11 @@ def prefill():
         yield peer
 
 
-def link(decode_side, prefill, transport):
-    offer = ["ipc", "mooncake"] if transport == "mooncake" else ["ipc"]
-    prefill.call("link", peer=decode_side.descriptor(offer), transport=transport)
-    return decode_side.link(prefill.call("descriptor", offer=offer), transport=transport)
-
-
 @pytest.mark.parametrize("transport", ["ipc", "mooncake"])
 def test_a_pull_from_a_killed_prefill_instance_fails_naming_it_and_decode_serves_on(decode, prefill, transport):
     svc, d = decode
     fill_distinct(svc, seed=52)
-    assert link(d, prefill, transport) == transport
+    assert link_child(d, prefill, transport) == transport
     ports = {pid: listening_ports(pid) for pid in list(svc.pids().values()) + prefill.rank_pids}
     if transport == "ipc":  # the same-host path opens no port, on either side
         assert ports == {pid: set() for pid in ports}, ports
@@ -66,7 +60,7 @@ def test_a_pull_from_a_killed_prefill_instance_fails_naming_it_and_decode_serves
 def test_a_transfer_engine_pull_from_a_stopped_prefill_fails_in_time_and_is_released_only_after(decode, prefill):
     svc, d = decode
     fill_distinct(svc, seed=53)
-    link(d, prefill, "mooncake")
+    link_child(d, prefill, "mooncake")
     handle = prefill.call("expose", req_id="r2")
     for pid in prefill.rank_pids:
         os.kill(pid, signal.SIGSTOP)  # their Transfer Engines stop answering
@@ -100,18 +94,12 @@ def decode_child():
         yield peer
 
 
-def link_to_decode(prefill_side, decode, transport):
-    offer = ["ipc", "mooncake"] if transport == "mooncake" else ["ipc"]
-    decode.call("link", peer=prefill_side.descriptor(offer), transport=transport)
-    return prefill_side.link(decode.call("descriptor", offer=offer), transport=transport)
-
-
 @pytest.mark.parametrize("transport", ["ipc", "mooncake"])
 def test_a_decode_instance_killed_mid_push_leaves_the_prefill_side_released_and_serving(prefill_here, decode_child,
                                                                                         transport):
     svc, p = prefill_here
     fill_distinct(svc, seed=55)
-    assert link_to_decode(p, decode_child, transport) == transport
+    assert link_child(p, decode_child, transport) == transport
     ticket = decode_child.call("receive_push", peer="prefill-0", dst=[5, 6, 7])
     future = p.push_blocks("decode-0", ticket, [1, 2, 3], layerwise=True, timeout=10)
     future.layer_computed(1)
@@ -139,7 +127,7 @@ def test_a_push_to_a_stopped_decode_instance_fails_in_time_and_is_released_after
                                                                                                decode_child):
     svc, p = prefill_here
     fill_distinct(svc, seed=56)
-    link_to_decode(p, decode_child, "mooncake")
+    link_child(p, decode_child, "mooncake")
     ticket = decode_child.call("receive_push", peer="prefill-0", dst=[5, 6, 7], timeout=60)
     for pid in decode_child.rank_pids:
         os.kill(pid, signal.SIGSTOP)  # their Transfer Engines stop taking writes

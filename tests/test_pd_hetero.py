@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cache_manager.cache_spec import CacheSpec
-from tests.pd_helpers import local_instance
+from tests.pd_helpers import link_both, local_instance
 from tests.service_helpers import fill_distinct, views
 
 HEADS = 4  # kv heads of the model, split over the ranks
@@ -33,12 +33,6 @@ def same(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
     for key in got:
         assert np.array_equal(got[key], want[key]), f"{key} differs"
-
-
-def link_both(p, d, transport: str) -> None:
-    offer = ["ipc", "mooncake"] if transport == "mooncake" else ["ipc"]
-    assert p.link(d.descriptor(offer), transport=transport) == transport
-    assert d.link(p.descriptor(offer), transport=transport) == transport
 
 
 def unlink_both(p, d) -> None:

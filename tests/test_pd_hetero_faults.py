@@ -11,7 +11,7 @@ import pytest
 from cache_manager.cache_spec import CacheSpec
 from engine_hooks.errors import TaskFailedError
 from engine_hooks.layerwise import LayerWaitTimeout
-from tests.pd_helpers import child_instance, local_instance
+from tests.pd_helpers import child_instance, link_child, local_instance
 from tests.service_helpers import fill_distinct, process_gone, views
 
 PREFILL = dict(num_layers=3, num_blocks=32, kv_heads=2, block_size=4, head_dim=8)
@@ -31,12 +31,6 @@ def prefill():
         yield peer
 
 
-def link(side, prefill, transport: str) -> None:
-    offer = ["ipc", "mooncake"] if transport == "mooncake" else ["ipc"]
-    prefill.call("link", peer=side.descriptor(offer), transport=transport)
-    assert side.link(prefill.call("descriptor", offer=offer), transport=transport) == transport
-
-
 def decode_blocks(svc, ids) -> dict:
     return {(kind, layer): v[ids].copy() for (_, kind, layer), v in views(svc).items()}
 
@@ -53,7 +47,7 @@ def prefill_blocks(prefill, ids) -> dict:
 
 def test_a_transfer_engine_pull_whose_prefill_rank_is_killed_mid_transfer_fails_in_time_naming_it(decode, prefill):
     svc, side = decode
-    link(side, prefill, "mooncake")
+    assert link_child(side, prefill, "mooncake") == "mooncake"
     handle = prefill.call("expose", req_id="r1")
     assert side.pull_blocks("prefill-0", handle, [1, 2], [3, 4]).result(timeout=20) == [3, 4]  # both routes work
     victim = prefill.rank_pids[1]
@@ -77,14 +71,14 @@ def test_a_transfer_engine_pull_whose_prefill_rank_is_killed_mid_transfer_fails_
             break
         except Exception:
             assert time.monotonic() < deadline, "the decode side never recovered"
-            link(side, prefill, "mooncake")  # the restarted rank has a new Transfer Engine
+            assert link_child(side, prefill, "mooncake") == "mooncake"  # the restarted rank has a new Transfer Engine
     got, want = decode_blocks(svc, [5, 6, 7]), prefill_blocks(prefill, [8, 9, 10])
     assert all(np.array_equal(got[k], want[k]) for k in want)
 
 
 def test_a_same_host_pull_reads_the_prefill_engines_memory_even_with_a_rank_killed(decode, prefill):
     svc, side = decode
-    link(side, prefill, "ipc")
+    assert link_child(side, prefill, "ipc") == "ipc"
     handle = prefill.call("expose", req_id="r2")
     os.kill(prefill.rank_pids[1], signal.SIGKILL)  # the CTM: the caches are its engine's, still alive
     assert side.pull_blocks("prefill-0", handle, [11, 12], [1, 2]).result(timeout=20) == [1, 2]
@@ -94,7 +88,7 @@ def test_a_same_host_pull_reads_the_prefill_engines_memory_even_with_a_rank_kill
 
 def test_a_push_whose_prefill_rank_is_killed_fails_the_decode_wait_in_time_naming_it(decode, prefill):
     svc, side = decode
-    link(side, prefill, "ipc")
+    assert link_child(side, prefill, "ipc") == "ipc"
     target = side.receive_push("prefill-0", [20, 21, 22], timeout=20)
     assert target.writers == [0, 1]
     prefill.call("push", peer="decode-0", ticket=target.ticket, src=[1, 2, 3])

@@ -7,27 +7,12 @@ import pytest
 
 from cache_manager.cache_spec import CacheSpec
 from engine_hooks.errors import TaskFailedError
-from tests.pd_helpers import blocks_any, fill_any, instance_pair, npu_instance_pair
+from tests.pd_helpers import blocks_any, fill_any, link_both, pair_fixtures, pair_for
 from tests.service_helpers import block_bytes, fill_distinct
 
 SPEC = CacheSpec(num_layers=4, num_blocks=32, kv_heads=2, block_size=4, head_dim=8)
 
-
-@pytest.fixture(scope="module")
-def pair():
-    with instance_pair(SPEC, num_cpu_blocks=8) as instances:
-        yield instances
-
-
-@pytest.fixture(scope="module")
-def npu_pair(tmp_path_factory):
-    with npu_instance_pair(SPEC, tmp_path_factory.mktemp("acl"), num_cpu_blocks=8) as instances:
-        yield instances
-
-
-def pair_for(request, transport):
-    """The CPU pair, or the NPU pair for LLM-DataDist (the transport NPU ranks offer)."""
-    return request.getfixturevalue("npu_pair" if transport == "datadist" else "pair")
+pair, npu_pair = pair_fixtures(SPEC, num_cpu_blocks=8)
 
 
 @pytest.mark.parametrize("transport", ["ipc", "mooncake", "datadist"])
@@ -35,10 +20,8 @@ def test_a_pull_copies_every_block_bit_exact_on_every_rank(request, transport):
     p_svc, d_svc, p, d = pair_for(request, transport)
     fill_any(p_svc, seed=41)
     fill_any(d_svc, seed=42)
-    offer = ["ipc", "mooncake"] if transport == "mooncake" else None
-    chosen = "auto" if transport == "datadist" else transport  # NPU ranks: chosen by capability
-    assert p.link(d.descriptor(offer or ["ipc", "datadist"]), transport=chosen) == transport
-    assert d.link(p.descriptor(offer or ["ipc", "datadist"]), transport=chosen) == transport
+    # NPU ranks: chosen by capability
+    link_both(p, d, transport, chosen="auto" if transport == "datadist" else None)
     src, dst = [3, 4, 5, 9], [10, 2, 3, 7]
     want = blocks_any(p_svc, src)
     before = blocks_any(d_svc, range(d_svc.spec.num_blocks))

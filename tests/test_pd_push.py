@@ -7,32 +7,11 @@ import pytest
 
 from cache_manager.cache_spec import CacheSpec
 from engine_hooks.layerwise import LayerWaitTimeout
-from tests.pd_helpers import blocks_any, fill_any, instance_pair, npu_instance_pair
+from tests.pd_helpers import blocks_any, fill_any, link_both, pair_fixtures, pair_for
 
 SPEC = CacheSpec(num_layers=4, num_blocks=32, kv_heads=2, block_size=4, head_dim=8)
 
-
-@pytest.fixture(scope="module")
-def pair():
-    with instance_pair(SPEC, num_cpu_blocks=8) as instances:
-        yield instances
-
-
-@pytest.fixture(scope="module")
-def npu_pair(tmp_path_factory):
-    with npu_instance_pair(SPEC, tmp_path_factory.mktemp("acl"), num_cpu_blocks=8) as instances:
-        yield instances
-
-
-def pair_for(request, transport):
-    """The CPU pair, or the NPU pair for LLM-DataDist (the transport NPU ranks offer)."""
-    return request.getfixturevalue("npu_pair" if transport == "datadist" else "pair")
-
-
-def link_both(p, d, transport):
-    offer = ["ipc", "mooncake"] if transport == "mooncake" else ["ipc", "datadist"]
-    assert p.link(d.descriptor(offer), transport=transport) == transport
-    assert d.link(p.descriptor(offer), transport=transport) == transport
+pair, npu_pair = pair_fixtures(SPEC, num_cpu_blocks=8)
 
 
 @pytest.mark.parametrize("transport", ["ipc", "mooncake", "datadist"])
