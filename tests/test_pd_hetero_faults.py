@@ -63,15 +63,17 @@ def test_a_transfer_engine_pull_whose_prefill_rank_is_killed_mid_transfer_fails_
     while not future.released.done():  # the dead rank's batch has ended: the blocks come back
         assert time.monotonic() < deadline, "the destination blocks were never released"
         time.sleep(0.05)
-    # The prefill engine restarts its rank; a pull of the same blocks then lands whole.
+    # The prefill engine restarts its rank; once relinked (the new rank has a new Transfer Engine), a
+    # pull of the same blocks lands whole.  Until the rank is back, linking or pulling fails.
     deadline = time.monotonic() + 30
     while True:
         try:
+            assert link_child(side, prefill, "mooncake") == "mooncake"
             assert side.pull_blocks("prefill-0", handle, [8, 9, 10], [5, 6, 7]).result(timeout=20) == [5, 6, 7]
             break
-        except Exception:
-            assert time.monotonic() < deadline, "the decode side never recovered"
-            assert link_child(side, prefill, "mooncake") == "mooncake"  # the restarted rank has a new Transfer Engine
+        except Exception as exc:
+            assert time.monotonic() < deadline, f"the decode side never recovered: {exc}"
+            time.sleep(0.2)
     got, want = decode_blocks(svc, [5, 6, 7]), prefill_blocks(prefill, [8, 9, 10])
     assert all(np.array_equal(got[k], want[k]) for k in want)
 
