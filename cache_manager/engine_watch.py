@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import shutil
 import time
 from typing import Callable, Mapping
 
-from ops.procs import pid_alive
+from ops.procs import ProcessWatch
 
 from cache_manager.ipc_signal import IPCSignal, signal_segment_names, unlink_if_same
 from cache_manager.queue.unix_address import private_dir_problem
@@ -48,18 +47,6 @@ def shell_launcher(ppid: int) -> int | None:
     return None
 
 
-def _open_pidfd(pid: int) -> int | None:
-    """A pidfd on ``pid``; -1 where pidfds are not available; None if it is already gone."""
-    if not hasattr(os, "pidfd_open"):
-        return -1
-    try:
-        return os.pidfd_open(pid)
-    except ProcessLookupError:
-        return None
-    except OSError:
-        return -1
-
-
 class EngineGone(Exception):
     """The engine is gone: the CTM stops, and removes what the engine can no longer unlink."""
 
@@ -70,19 +57,15 @@ class EngineWatch:
         self.parent_pid = os.getppid()
         self.exit_timeout = float(os.environ.get(EXIT_TIMEOUT_ENV, "30"))
         self._log = log
-        self._fd: int | None = None  # the engine's pidfd; -1 where pidfds are not available
+        self._engine = ProcessWatch(engine_pid) if engine_pid is not None else None
         self._beat_value: int | None = None
         self._beat_seen = time.monotonic()
         self._beat_stale_logged = False
-        self._linked: tuple[int, int] | None = None  # (pid, pidfd or -1) of the engine behind the queue's link
-        self._linked_gone = False  # sticky: once gone, a later holder of its pid changes nothing
+        self._linked: ProcessWatch | None = None  # the engine behind the queue's link
         # Before the link: with no engine pid, the process that launched us through a shell.
-        self._launcher: tuple[int, int] | None = None
-        self._launcher_gone = False
         launcher = shell_launcher(self.parent_pid) if engine_pid is None else None
+        self._launcher = ProcessWatch(launcher) if launcher is not None else None
         if launcher is not None:
-            fd = _open_pidfd(launcher)
-            self._launcher, self._launcher_gone = (launcher, -1 if fd is None else fd), fd is None
             log.info("launched through a shell by process %d: watching it until the queue names the engine", launcher)
 
     def watch_engine(self, pid: int) -> None:
@@ -91,50 +74,29 @@ class EngineWatch:
         opened here names it and not a later holder of its pid."""
         if pid <= 0 or pid == self.engine_pid or self._linked is not None:
             return
-        fd = _open_pidfd(pid)
-        if fd is None:
-            self._linked, self._linked_gone = (pid, -1), True
-            return
-        self._linked = (pid, fd)
+        self._linked = ProcessWatch(pid)
         self._log.info("watching engine process %d, the queue's end of the local link", pid)
 
-    def _linked_exited(self) -> bool:
-        if self._linked is not None and not self._linked_gone:
-            pid, fd = self._linked
-            self._linked_gone = bool(select.select([fd], [], [], 0)[0]) if fd >= 0 else not pid_alive(pid)
-        return self._linked_gone
-
-    def _launcher_exited(self) -> bool:
-        if self._launcher is not None and self._linked is None and not self._launcher_gone:
-            pid, fd = self._launcher
-            self._launcher_gone = bool(select.select([fd], [], [], 0)[0]) if fd >= 0 else not pid_alive(pid)
-        return self._launcher_gone and self._linked is None
+    def _launcher_gone(self) -> bool:
+        """The shell's launcher ended, while it still stands for the engine (no link yet)."""
+        return self._linked is None and self._launcher is not None and self._launcher.gone()
 
     def engine_exited(self) -> bool:
         """True once the engine process is gone."""
-        if self._linked_exited() or self._launcher_exited():
+        if (self._linked is not None and self._linked.gone()) or self._launcher_gone():
             return True
-        if self.engine_pid is None:
+        if self._engine is None:
             return os.getppid() != self.parent_pid
-        if self._fd is None and hasattr(os, "pidfd_open"):
-            try:
-                self._fd = os.pidfd_open(self.engine_pid)
-            except ProcessLookupError:
-                return True
-            except OSError:
-                self._fd = -1  # no pidfd here: fall back to the pid
-        if self._fd is not None and self._fd >= 0:
-            return bool(select.select([self._fd], [], [], 0)[0])
-        return not pid_alive(self.engine_pid)
+        return self._engine.gone()
 
     def check(self, heartbeat: IPCSignal | None) -> None:
         """Raise ``EngineGone`` if the engine process is gone; log a heartbeat that stopped or resumed."""
         if self.engine_exited():
             who = f"engine process {self.engine_pid}" if self.engine_pid else f"parent {self.parent_pid}"
-            if self._linked_gone:
-                who = f"engine process {self._linked[0]} (the queue's end of the local link)"
-            elif self._launcher_gone and self._linked is None:
-                who = f"process {self._launcher[0]}, which launched this CTM through a shell"
+            if self._linked is not None and self._linked.gone():
+                who = f"engine process {self._linked.pid} (the queue's end of the local link)"
+            elif self._launcher_gone():
+                who = f"process {self._launcher.pid}, which launched this CTM through a shell"
             raise EngineGone(f"{who} is gone")
         if heartbeat is None:
             return

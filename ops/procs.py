@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import shutil
 import signal
 import stat
@@ -27,6 +28,34 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return True
+
+
+class ProcessWatch:
+    """Whether one process has ended, watched through a pidfd opened now: it names the process
+    itself, so a later holder of its pid cannot pass for it (the bare pid where pidfds are not
+    available).  ``gone()`` never blocks, and once True stays True."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._fd = -1
+        self._gone = False
+        if hasattr(os, "pidfd_open"):
+            try:
+                self._fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self._gone = True
+            except OSError:
+                self._fd = -1  # no pidfd here: the pid itself is watched
+
+    def gone(self) -> bool:
+        if not self._gone:
+            self._gone = bool(select.select([self._fd], [], [], 0)[0]) if self._fd >= 0 else not pid_alive(self.pid)
+        return self._gone
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def private_dir(path: str) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import mmap
 import os
 import re
-import select
 import stat
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -23,6 +22,7 @@ import numpy as np
 
 from ops import _shm_atomic
 from ops.layout import Side
+from ops.procs import ProcessWatch
 from ops.shm import shm_path
 
 from transfer_factory.peer.handles import BOARD_BYTES, SLOTS
@@ -113,7 +113,7 @@ class IpcPeer:
             raise ValueError(f"{peer_name}: ipc engine_pid {pid!r:.40} must be a positive integer")
         self.peer_name = peer_name
         self._maps: dict[str, _Mapping] = {}
-        self._pidfd = -1
+        self._engine: ProcessWatch | None = None  # the peer's engine, which owns the mapped caches
         self._sides: dict[str, Side] = {}
         self._board: np.ndarray | None = None
         self.layer_board: np.ndarray | None = None  # the peer engine's layer board, for a push
@@ -121,10 +121,9 @@ class IpcPeer:
             self._sides = self._plan(regions, kind_block_bytes, num_layers, writable)
             self._board = self._words(board, BOARD_BYTES, writable=False).view(np.int64)
             self.layer_board = self._words(layer_board, layer_board_bytes, writable).view(np.int64) if writable else None
-            self._pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            self.close()
-            raise PeerUnavailable(f"{peer_name}: its engine (pid {pid}) is not running") from None
+            self._engine = ProcessWatch(pid)
+            if self._engine.gone():
+                raise PeerUnavailable(f"{peer_name}: its engine (pid {pid}) is not running")
         except BaseException:
             self.close()
             raise
@@ -177,10 +176,7 @@ class IpcPeer:
         return _shm_atomic.load_acquire(self._board, slot)
 
     def engine_alive(self) -> bool:
-        if self._pidfd < 0:
-            return False
-        readable, _, _ = select.select([self._pidfd], [], [], 0)
-        return not readable
+        return self._engine is not None and not self._engine.gone()
 
     def close(self) -> None:
         self._sides = {}
@@ -189,6 +185,6 @@ class IpcPeer:
         for m in self._maps.values():
             m.close()
         self._maps.clear()
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
