@@ -9,6 +9,7 @@ the other end of its queue link instead (the kernel's peer credentials, a pidfd)
 the dead engine left in /dev/shm.  A paused engine keeps them all."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Iterator
 
 from engine_hooks.launcher import REPO_ROOT
 
@@ -65,9 +67,13 @@ def segments_of(port: int) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"ctm.{port}.") or n.endswith(f".{port}"))
 
 
-def test_a_killed_engine_takes_its_shell_launched_ctms_and_leaves_nothing_in_dev_shm(tmp_path):
+@contextlib.contextmanager
+def engine_process(tmp_path, script: str) -> Iterator[tuple[subprocess.Popen, dict]]:
+    """``script`` run as the engine process: yields it and the JSON line it printed.  Afterwards the
+    engine and every shell it launched (each in its own session: its group is the shell's pid) are
+    killed, whatever the test left running."""
     err = open(tmp_path / "engine.err", "wb")
-    engine = subprocess.Popen([sys.executable, "-c", ENGINE], stdout=subprocess.PIPE, stderr=err, text=True,
+    engine = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=err, text=True,
                               env={**os.environ, "PYTHONPATH": REPO_ROOT, "CTM_LOG_DIR": str(tmp_path)},
                               cwd=REPO_ROOT)
     info = None
@@ -75,6 +81,31 @@ def test_a_killed_engine_takes_its_shell_launched_ctms_and_leaves_nothing_in_dev
         line = engine.stdout.readline()
         assert line, (tmp_path / "engine.err").read_text()[-3000:]
         info = json.loads(line)
+        yield engine, info
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(10)
+        for pid in (info["shells"] if info else []):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        err.close()
+
+
+def kill_engine(engine: subprocess.Popen, procs: list[int], limit: float) -> float:
+    """SIGKILL the engine; the seconds until none of ``procs`` runs, or ``limit`` if some still do."""
+    engine.send_signal(signal.SIGKILL)
+    engine.wait(10)
+    killed = time.monotonic()
+    while any(running(p) for p in procs) and time.monotonic() - killed < limit:
+        time.sleep(0.05)
+    return time.monotonic() - killed
+
+
+def test_a_killed_engine_takes_its_shell_launched_ctms_and_leaves_nothing_in_dev_shm(tmp_path):
+    with engine_process(tmp_path, ENGINE) as (engine, info):
         assert info["codes"] == {"pause": 200, "resume": 200, "sleep": 200, "wakeup": 200}, info["codes"]
         assert info["swap_bit_exact"], "a swap after the wakeup did not move the new caches' bytes"
         procs = info["shells"] + info["ctms"]
@@ -88,27 +119,12 @@ def test_a_killed_engine_takes_its_shell_launched_ctms_and_leaves_nothing_in_dev
         assert segments_of(info["port"]) == before, "a paused engine's segments were removed"
         engine.send_signal(signal.SIGCONT)
 
-        engine.send_signal(signal.SIGKILL)
-        engine.wait(10)
-        killed = time.monotonic()
-        while any(running(p) for p in procs) and time.monotonic() - killed < 10:
-            time.sleep(0.05)
-        gone_after = time.monotonic() - killed
+        gone_after = kill_engine(engine, procs, 10)
         assert not any(running(p) for p in procs), f"still running 10 s after the engine died: " \
             f"{[p for p in procs if running(p)]}"
         assert gone_after < 5, f"the CTMs took {gone_after:.1f}s to follow their engine"
         assert segments_of(info["port"]) == [], "the dead engine's segments were left in /dev/shm"
         assert not os.path.exists(info["queue_dir"]), "the dead engine's queue directory was left"
-    finally:
-        if engine.poll() is None:
-            engine.kill()
-            engine.wait(10)
-        for pid in (info["shells"] if info else []):  # each in its own session: its group is the shell's pid
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        err.close()
 
 
 # An engine that dies while its CTMs still wait for its caches (before they join the queue).
@@ -139,15 +155,7 @@ def children(pid: int) -> list[int]:
 
 
 def test_an_engine_killed_while_its_shell_launched_ctms_wait_for_its_caches_takes_them_at_once(tmp_path):
-    err = open(tmp_path / "engine.err", "wb")
-    engine = subprocess.Popen([sys.executable, "-c", STARTING_ENGINE], stdout=subprocess.PIPE, stderr=err, text=True,
-                              env={**os.environ, "PYTHONPATH": REPO_ROOT, "CTM_LOG_DIR": str(tmp_path)},
-                              cwd=REPO_ROOT)
-    info = None
-    try:
-        line = engine.stdout.readline()
-        assert line, (tmp_path / "engine.err").read_text()[-3000:]
-        info = json.loads(line)
+    with engine_process(tmp_path, STARTING_ENGINE) as (engine, info):
         deadline = time.monotonic() + 20
         ctms: list[int] = []
         while len(ctms) < 2:  # each shell's child: the CTM, waiting for cache_ready (attach timeout 20 s)
@@ -156,24 +164,9 @@ def test_an_engine_killed_while_its_shell_launched_ctms_wait_for_its_caches_take
             time.sleep(0.05)
         time.sleep(2.0)  # the CTMs are up (past their first lines) and waiting
         assert all(running(p) for p in ctms)
-        engine.send_signal(signal.SIGKILL)
-        engine.wait(10)
-        killed = time.monotonic()
-        while any(running(p) for p in ctms) and time.monotonic() - killed < 15:
-            time.sleep(0.05)
-        gone_after = time.monotonic() - killed
+        gone_after = kill_engine(engine, ctms, 15)
         assert gone_after < 5, f"the waiting CTMs took {gone_after:.1f}s to follow their engine (attach timeout 20 s)"
         deadline = time.monotonic() + 5
         while segments_of(info["port"]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert segments_of(info["port"]) == [], "the dead engine's segments were left in /dev/shm"
-    finally:
-        if engine.poll() is None:
-            engine.kill()
-            engine.wait(10)
-        for pid in (info["shells"] if info else []):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        err.close()
