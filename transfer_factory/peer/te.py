@@ -188,7 +188,9 @@ class TransferEngineEndpoint:
                 failure = "transfer timed out" if status == TIMED_OUT else f"transfer failed (status {status})"
             if ended:
                 pending = still
-                in_flight = [sum(e[1] for e in pending if e[2] == j) for j in range(len(jobs))]
+                in_flight = [0] * len(jobs)  # one pass over what is still in flight, not one per peer
+                for _, slices, job in pending:
+                    in_flight[job] += slices
                 wait = POLL_FIRST_S
             left = sum(len(job[4]) - next_run[j] for j, job in enumerate(jobs))
             if not pending and (failure or not left):
