@@ -5,13 +5,20 @@
 it, and closes it; the RL weight-update code (``kv_cache_control``) drives the cache lifecycle and
 the model version through its methods.  The engine creates and unlinks every signal; the CTMs only
 attach.
+
+It also owns the caches' *generation* (DESIGN §3.8): a number that changes whenever the memory is
+replaced.  Whatever is derived from the caches (a prefill/decode side's exposure board, whose
+generation word peer links are checked against) subscribes with ``watch_generation``; it hears
+``NO_GENERATION`` when a replacement begins (``retire_generation``, before the ranks let go and the
+memory is freed), and the new generation once new memory exists.  Every replacement goes through
+``retire_generation``, ``free_caches`` and ``recreate_caches``, whoever drives it.
 """
 from __future__ import annotations
 
 import logging
 import time
 from types import MappingProxyType
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -28,6 +35,7 @@ from cache_manager.cache_spec import CacheSpec, key_prefix_from_version
 from cache_manager.ipc_signal import IPCSignal
 from ops.platform import Platform
 from transfer_factory.keys import Namespace
+from transfer_factory.peer.handles import NO_GENERATION, new_generation
 
 from .device_caches import DeviceCaches
 
@@ -50,6 +58,9 @@ class EngineResources:
         self._model_version = model_version
         self._signals: dict[str, IPCSignal] = {}
         self._caches: DeviceCaches | None = None
+        self._generation = NO_GENERATION
+        self._last_generation = NO_GENERATION
+        self._watchers: list[Callable[[int], None]] = []
 
     # ------------------------------------------------------------------ lifecycle
     def create(self) -> None:
@@ -66,12 +77,45 @@ class EngineResources:
         self._caches = DeviceCaches(self.platform, self.spec, self.tp, self.device_ids)
         for rank in range(self.tp):
             self._caches.create_rank(rank)
+        self._set_generation(new_generation(self._last_generation))
+        for rank in range(self.tp):
             self._signals[CACHE_READY_SIGNAL].value[rank] = 1
 
     def free_caches(self) -> None:
-        """Free every rank's device caches (the ranks have detached; the signals stay)."""
+        """Free every rank's device caches (the ranks have detached; the signals stay).  Everything
+        derived from them hears ``NO_GENERATION`` first."""
+        self.retire_generation()
         if self._caches is not None:
             self._caches.close()
+
+    # ------------------------------------------------------------------ generations
+    @property
+    def generation(self) -> int:
+        """The generation of the caches now attached; ``NO_GENERATION`` while there are none."""
+        return self._generation
+
+    def retire_generation(self) -> None:
+        """The caches are about to be replaced: nothing derived from them may move or count a byte
+        from now on (their watchers hear ``NO_GENERATION``).  Idempotent."""
+        self._set_generation(NO_GENERATION)
+
+    def watch_generation(self, watcher: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``watcher(generation)`` now and at every change; returns the call that stops it."""
+        self._watchers.append(watcher)
+        watcher(self._generation)
+        return lambda: self._watchers.remove(watcher) if watcher in self._watchers else None
+
+    def _set_generation(self, generation: int) -> None:
+        if generation == self._generation:
+            return
+        self._generation = generation
+        if generation != NO_GENERATION:
+            self._last_generation = generation
+        for watcher in list(self._watchers):
+            try:
+                watcher(generation)
+            except Exception:  # one watcher's failure must not keep the memory from being freed
+                logger.exception("a cache-generation watcher failed")
 
     def recreate_caches(self) -> None:
         """Free the caches if still there, allocate and export them anew, set ``cache_ready`` on every rank."""

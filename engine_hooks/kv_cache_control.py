@@ -61,6 +61,7 @@ def clear_caches(resources: EngineResources, rank_failures: RankFailures, tp: in
         raise CacheUpdateError(f"clear_caches needs kv_cache_status NORMAL (or CLEARING or CLEARED, to finish a "
                                f"clear that timed out), it is {current.name}")
     t0 = time.monotonic()
+    resources.retire_generation()  # first: peer links stop counting bytes of these caches
     if current == KVCacheStatus.NORMAL:
         resources.set_kv_cache_status(KVCacheStatus.CLEARING)
     _wait(resources, rank_failures, tp, KVCacheStatus.CLEARED, timeout, "clear_caches", CACHE_READY_SIGNAL)

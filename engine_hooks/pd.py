@@ -33,8 +33,9 @@ import numpy as np
 
 from cache_manager.cache_data import CacheStatus
 from cache_manager.layer_progress import LayerwiseRef
+from ops.procs import ProcessWatch
 from ops.shm import SharedMemorySegment
-from transfer_factory.peer.handles import BOARD_BYTES, SLOTS, ExposureBoard, TransferHandle
+from transfer_factory.peer.handles import BOARD_BYTES, BOARD_WORDS, NO_GENERATION, ExposureBoard, TransferHandle
 from transfer_factory.peer.heads import writers
 
 from .pd_push import PushTarget
@@ -60,10 +61,15 @@ class PrefillDecode:
         self.instance_id = instance_id or f"{os.uname().nodename}-{service.instance}"
         self._timeout = control_timeout
         self._segment = SharedMemorySegment(f"ctm.{service.instance}.pd_handles", BOARD_BYTES, create=True)
-        self._words = np.frombuffer(self._segment.buf, dtype=np.int64, count=SLOTS)
+        self._words = np.frombuffer(self._segment.buf, dtype=np.int64, count=BOARD_WORDS)
         self.board = ExposureBoard(self._words, self.instance_id)
+        # The board's generation word follows the caches' (DESIGN §3.8): an RL clear or a sleep
+        # retracts every handle and stops peers' transfers from counting before the memory goes.
+        self._unwatch = service.resources.watch_generation(self.board.publish_generation)
         self._links: dict[str, str] = {}  # peer instance id -> transport
         self._peer_writers: dict[str, list[int]] = {}  # peer instance id -> its ranks that push into us
+        # peer instance id -> its writer ranks' processes, where linked on this host (a dead one writes no more)
+        self._writer_procs: dict[str, dict[int, ProcessWatch]] = {}
         self._closed = False
 
     # ------------------------------------------------------------------ descriptors and links
@@ -73,7 +79,11 @@ class PrefillDecode:
         if bad:
             raise ValueError(f"cannot offer transports {bad}; known: {TRANSPORT_CHOICES[1:]}")
         layer_board = self._svc.layerwise.board.signal
-        ranks = self._control("pd_describe", instance_id=self.instance_id, offer=list(offer),
+        generation = self.board.generation
+        if generation == NO_GENERATION:
+            raise RuntimeError(f"instance {self.instance_id}: its caches are being replaced (or its prefill/decode "
+                               "side is closed): describe it once they are attached")
+        ranks = self._control("pd_describe", instance_id=self.instance_id, offer=list(offer), generation=generation,
                               board=[self._segment.name, 0, BOARD_BYTES], engine_pid=os.getpid(),
                               layer_board=[layer_board.segment_name, 0, int(layer_board.value.nbytes)])
         return {"instance_id": self.instance_id, "tp": self._svc.tp, "ranks": ranks}
@@ -96,15 +106,28 @@ class PrefillDecode:
             raise RuntimeError(f"ranks chose different transports {answers}: unlinked")
         layout = peer["ranks"][0]["layout"]  # checked field by field by every rank
         spec = self._svc.spec
-        self._peer_writers[str(peer["instance_id"])] = writers(self._svc.tp, spec.kv_heads, peer["tp"],
-                                                               layout["kv_heads"], spec.mla)
-        self._links[str(peer["instance_id"])] = answers[0]
+        peer_id = str(peer["instance_id"])
+        self._peer_writers[peer_id] = writers(self._svc.tp, spec.kv_heads, peer["tp"], layout["kv_heads"], spec.mla)
+        self._watch_writers(peer_id, peer["ranks"] if answers[0] == "ipc" else [])
+        self._links[peer_id] = answers[0]
         return answers[0]
+
+    def _watch_writers(self, peer_id: str, ranks: list) -> None:
+        """Watch the peer's rank processes (same host only: a pid means nothing on another host)."""
+        for watch in self._writer_procs.pop(peer_id, {}).values():
+            watch.close()
+        procs = {}
+        for rank, wire in enumerate(ranks):
+            pid = wire.get("pid") if isinstance(wire, dict) else None
+            if type(pid) is int and pid > 0:
+                procs[rank] = ProcessWatch(pid)
+        self._writer_procs[peer_id] = procs
 
     def unlink(self, peer_id: str) -> bool:
         """Close every rank's link to ``peer_id``; pulls from it are refused from then on."""
         self._links.pop(peer_id, None)
         self._peer_writers.pop(peer_id, None)
+        self._watch_writers(peer_id, [])
         return any(self._control("pd_unlink", peer=peer_id))
 
     def linked(self) -> dict[str, str]:
@@ -149,8 +172,10 @@ class PrefillDecode:
         if ref is None:
             raise RuntimeError("every layer-board slot is held by unreleased tasks: no push can be received now")
         timeout = self._svc.task_timeout if timeout is None else float(timeout)
+        procs = self._writer_procs.get(peer_id, {})
         return PushTarget(self._svc.layerwise, ref, self.instance_id, peer_id, dst, len(self._svc.spec.layer_blocks()),
-                          time.monotonic() + timeout, self._peer_writers[peer_id])
+                          time.monotonic() + timeout, self._peer_writers[peer_id],
+                          writer_gone=lambda writer: writer in procs and procs[writer].gone())
 
     def push_blocks(self, peer_id: str, ticket: dict, src_blocks: Any, layerwise: bool = True,
                     timeout: float | None = None):
@@ -178,13 +203,14 @@ class PrefillDecode:
         if self._closed:
             return
         self._closed = True
-        self.board.retract_all()
+        self._unwatch()
+        self.board.publish_generation(NO_GENERATION)  # retracts every handle; peers' links count nothing more
         for peer_id in list(self._links):
             try:
                 self.unlink(peer_id)
             except Exception as exc:  # the service may be stopping: its ranks drop their links anyway
                 logger.warning("unlinking %s at close failed: %s", peer_id, exc)
         self._words = None
-        self.board.words = np.zeros(SLOTS, dtype=np.int64)
+        self.board.words = np.zeros(BOARD_WORDS, dtype=np.int64)
         self._segment.close()
         self._segment.unlink()

@@ -14,6 +14,7 @@ once, and unmaps the peer's memory only when the last transfer using it has ende
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,16 +22,17 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ops import _shm_atomic
 from ops.layout import describe_caches
 from ops.platform import Platform
-from ops.shm import SharedMemorySegment
+from ops.shm import SharedMemorySegment, shm_path
 from transfer_factory.peer import PeerDescriptor, choose_transport, compatible_layouts
 from transfer_factory.peer.descriptor import CacheLayout
 from transfer_factory.peer.datadist_rank import RankDataDist
-from transfer_factory.peer.handles import BOARD_BYTES
+from transfer_factory.peer.handles import NO_GENERATION
 from transfer_factory.peer.heads import HeadSpan, reader_spans, writer_spans
 from transfer_factory.peer.ipc import IpcPeer, Region, ipc_params
-from transfer_factory.peer.te import TransferEngineEndpoint
+from transfer_factory.peer.te import ScratchWords, TransferEngineEndpoint
 
 from cache_manager.cache_spec import CacheSpec
 from cache_manager.layer_progress import SLOTS, board_shape
@@ -116,12 +118,17 @@ class PeerLinks:
         self._log = log
         self.te = TransferEngineEndpoint(te_hostname, "tcp", log)
         self.datadist = RankDataDist(rank, tp, role, platform, te_hostname, log)  # opened when offered
-        self._te_scratch = np.zeros(1, dtype=np.int64)  # where board words land
-        self._board: SharedMemorySegment | None = None  # our engine's exposure board, for the TE
-        self._layer_board: SharedMemorySegment | None = None  # our engine's layer board, for the TE
-        self._te_lock = threading.Lock()  # one scratch word for board reads and writes
+        self._te_scratch = ScratchWords()  # where board words land, one per word in flight
+        # our engine's boards as this rank maps them for the TE: (segment name, inode) -> mapping
+        self._te_boards: dict[tuple[str, int], SharedMemorySegment] = {}
+        self._te_memory: dict[int, int] = {}  # this rank's caches and swap space registered: address -> bytes
+        self._te_memory_generation = -1  # the ``memory_generation`` they were registered for
+        self._te_reg_lock = threading.Lock()
+        self._word_locks: dict[str, threading.Lock] = {}  # per peer address: one word transfer at a time
         self._links: dict[str, PeerLink] = {}
         self._lock = threading.Lock()
+        # before this rank's memory goes (an RL clear, a sleep, the end): no peer may reach it
+        resources.watch_release(self._memory_released)
 
     # ------------------------------------------------------------------ describe
     def _kinds(self) -> dict[str, int]:
@@ -154,30 +161,70 @@ class PeerLinks:
         if "mooncake" in offer:
             transports["mooncake"] = self._open_te(board, layer_board)
         return PeerDescriptor(instance_id=args["instance_id"], role=self._role, rank=self._rank, tp=self._tp,
-                              layout=self._layout(), boot_id=boot_id(), transports=transports).to_wire()
+                              layout=self._layout(), boot_id=boot_id(), transports=transports,
+                              generation=int(args.get("generation", 0)), pid=os.getpid()).to_wire()
 
     def _open_te(self, board: Region, layer_board: Region) -> dict:
-        """Open the Transfer Engine (once) and register the caches, the swap space and the boards."""
-        first = not self.te.is_open
+        """Open the Transfer Engine (once) and register what peers reach through it: the caches and
+        swap space attached now, the scratch words, and the engine's boards named now.  What was
+        registered for memory since replaced, or for another board (an earlier prefill/decode
+        side), is unregistered: a peer linked to it fails, it is never served the new memory."""
         address = self.te.open()
-        regions = []
-        for g in self._resources.groups:
-            for layer, t in enumerate(g.tensors):
-                ptr, nbytes = int(t.data_ptr()), int(np.prod(t.shape)) * t.element_size()
-                regions.append([g.kind, layer, ptr, nbytes])
-        if first:
-            for _, _, ptr, nbytes in regions:
-                self.te.register(ptr, nbytes)
+        with self._te_reg_lock:
+            if not self._te_boards:
+                self.te.register(self._te_scratch.address, self._te_scratch.words.nbytes)
+            self._sync_te_memory()
+            boards: dict[tuple[str, int], SharedMemorySegment] = {}
+            for region in (board, layer_board):
+                key = (region.segment, _inode(region.segment))  # a new side may reuse the name
+                segment = self._te_boards.get(key) or SharedMemorySegment(region.segment)
+                if key not in self._te_boards:
+                    self.te.register(_address(segment), segment.size)
+                boards[key] = segment
+            for key, segment in self._te_boards.items():
+                if key not in boards:
+                    self.te.unregister(_address(segment))
+                    segment.close()
+            self._te_boards = boards
+            board_address, layer_board_address = (_address(seg) for seg in boards.values())
+            regions = []
             for g in self._resources.groups:
-                for ptr in g.host_ptrs:
-                    self.te.register(ptr, self._host_bytes(g))
-            self.te.register(int(self._te_scratch.ctypes.data), self._te_scratch.nbytes)
-            self._board = SharedMemorySegment(board.segment)
-            self.te.register(_address(self._board), BOARD_BYTES)
-            self._layer_board = SharedMemorySegment(layer_board.segment)
-            self.te.register(_address(self._layer_board), self._layer_board.size)
-        return {"address": address, "regions": regions, "board": _address(self._board),
-                "layer_board": _address(self._layer_board)}
+                for layer, t in enumerate(g.tensors):
+                    regions.append([g.kind, layer, int(t.data_ptr()), int(np.prod(t.shape)) * t.element_size()])
+        return {"address": address, "regions": regions, "board": board_address, "layer_board": layer_board_address}
+
+    def te_memory_ready(self) -> None:
+        """Before a Transfer Engine transfer: this rank's memory as attached now is registered (a
+        re-attach since the last transfer registers the new memory)."""
+        if self._te_memory_generation != self._resources.memory_generation:
+            with self._te_reg_lock:
+                self._sync_te_memory()
+
+    def _sync_te_memory(self) -> None:
+        wanted = {}
+        for g in self._resources.groups:
+            for t in g.tensors:
+                wanted[int(t.data_ptr())] = int(np.prod(t.shape)) * t.element_size()
+            for ptr in g.host_ptrs:
+                wanted[int(ptr)] = self._host_bytes(g)
+        for address in [a for a in self._te_memory if self._te_memory[a] != wanted.get(a)]:
+            self.te.unregister(address)
+            del self._te_memory[address]
+        for address, nbytes in wanted.items():
+            if address not in self._te_memory:
+                self.te.register(address, nbytes)
+                self._te_memory[address] = nbytes
+        self._te_memory_generation = self._resources.memory_generation
+
+    def _memory_released(self) -> None:
+        """This rank's caches or swap space are about to be let go: unregister all of it first."""
+        if not self.te.is_open:
+            return
+        with self._te_reg_lock:
+            for address in list(self._te_memory):
+                self.te.unregister(address)
+            self._te_memory.clear()
+            self._te_memory_generation = -1
 
     def _host_bytes(self, group: Any) -> int:
         return int(group.swap_plan.host.capacities[0]) * group.swap_plan.host.stride
@@ -195,6 +242,9 @@ class PeerLinks:
                 raise ValueError(f"peer descriptor {index} is rank {peer.rank} of {peer.tp} of {peer.instance_id!r}: "
                                  f"want rank {index} of {len(peers)} of {peers[0].instance_id!r}")
             compatible_layouts(local, peer)
+            if peer.generation == NO_GENERATION or peer.generation != peers[0].generation:
+                raise ValueError(f"peer descriptor {index} names no generation of its engine's caches "
+                                 f"({peer.generation}): describe the peer again once its caches are attached")
         mine, theirs = local.layout, peers[0].layout
         args = (self._rank, self._tp, mine.kv_heads, len(peers), theirs.kv_heads, mine.mla)
         pulls, pushes = reader_spans(*args), writer_spans(*args)
@@ -293,14 +343,40 @@ class PeerLinks:
             if close:
                 link.close()
 
-    # ------------------------------------------------------------------ board words over the Transfer Engine
+    # ------------------------------------------------------------------ board words
+    def board_word(self, link: PeerLink, index: int, deadline: float) -> int:
+        """Word ``index`` of the peer engine's exposure board (a handle slot or its generation word),
+        read now, after every earlier byte this thread moved from the peer."""
+        if link.ipc is not None:
+            return link.ipc.board_word(index)
+        if link.transport == "datadist":
+            return self.datadist.endpoint.read_board(link.name, index, deadline)
+        return self.read_word(link, link.te_board + 8 * index, deadline)
+
+    def layer_board_word(self, link: PeerLink, index: int, deadline: float) -> int | None:
+        """Word ``index`` of the peer engine's layer board, read after every earlier byte moved;
+        None where the transport cannot read it (LLM-DataDist)."""
+        if link.ipc is not None:
+            if link.ipc.layer_board is None:
+                raise PeerError(f"{link.name}: linked read-only (this instance is a decode instance)")
+            return _shm_atomic.load_after_reads(link.ipc.layer_board, index)
+        if link.transport == "datadist":
+            return None
+        return self.read_word(link, link.te_layer_board + 8 * index, deadline)
+
     def read_word(self, link: PeerLink, remote: int, deadline: float) -> int:
-        with self._te_lock:
-            return self.te.read_word(link.name, link.te_address, self._te_scratch, remote, deadline)
+        with self._word_lock(link), self._te_scratch.take() as scratch:
+            return self.te.read_word(link.name, link.te_address, scratch, remote, deadline)
 
     def write_word(self, link: PeerLink, remote: int, value: int, deadline: float) -> None:
-        with self._te_lock:
-            self.te.write_word(link.name, link.te_address, self._te_scratch, remote, value, deadline)
+        with self._word_lock(link), self._te_scratch.take() as scratch:
+            self.te.write_word(link.name, link.te_address, scratch, remote, value, deadline)
+
+    def _word_lock(self, link: PeerLink) -> threading.Lock:
+        """Word transfers to one peer go one at a time (a late one cannot land over a newer one);
+        a stalled peer holds up only its own."""
+        with self._lock:
+            return self._word_locks.setdefault(link.te_address, threading.Lock())
 
     @property
     def rank(self) -> int:
@@ -317,10 +393,9 @@ class PeerLinks:
             link.close()
         self.te.close()
         self.datadist.close()
-        for segment in (self._board, self._layer_board):
-            if segment is not None:
-                segment.close()
-        self._board = self._layer_board = None
+        for segment in self._te_boards.values():
+            segment.close()
+        self._te_boards = {}
 
 
 def peer_command(peers: PeerLinks | None, command: str, args: dict, rank: int) -> Any:
@@ -341,6 +416,13 @@ def peer_command(peers: PeerLinks | None, command: str, args: dict, rank: int) -
             raise ValueError(f"pd_unlink peer {peer_id!r:.40} must be an instance id")
         return peers.unlink(peer_id)
     raise ValueError(f"unknown control command {command!r}")
+
+
+def _inode(name: str) -> int:
+    try:
+        return os.stat(shm_path(name)).st_ino
+    except OSError:
+        return -1
 
 
 def _address(segment: SharedMemorySegment) -> int:

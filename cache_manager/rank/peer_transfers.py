@@ -35,11 +35,12 @@ from ops.layout import CopyPlan, Side, describe_caches, device_side, layer_range
 from ops.modes import HOST_TO_DEVICE
 from ops import _shm_atomic
 from ops.platform import Platform
-from transfer_factory.peer.handles import TransferHandle, holds
+from transfer_factory.peer.handles import GENERATION_WORD, NO_GENERATION, TransferHandle, holds
 from transfer_factory.peer.te import Inflight, block_addresses, coalesce
 
 from cache_manager.cache_tasks import Outcome, PullTask, PushTask
-from cache_manager.layer_progress import FAILED, LayerPublisher, pack, pushed_index
+from cache_manager.layer_progress import (FAILED, FENCED, LayerPublisher, pack, pushed_index, reservation_word,
+                                          ticket_index)
 from cache_manager.rank.peer_links import InstanceLink, PeerError, PeerLink, PeerLinks, Route
 from cache_manager.rank.resources import RankResources
 
@@ -69,6 +70,7 @@ class PeerTransfers:
         layers = range(*(task.layers or (0, self._resources.num_layers)))
         if layers.stop > self._resources.num_layers:
             raise ValueError(f"pull layers [{layers.start}, {layers.stop}) past this model's {self._resources.num_layers}")
+        self._check_generation(link, deadline, "before the pull")
         if not self._holds(link.board, handle, deadline):
             raise PeerError(f"{link.name}: handle of request {handle.req_id!r} is no longer exposed")
         moved = 0
@@ -90,6 +92,7 @@ class PeerTransfers:
         if not self._holds(link.board, handle, deadline):
             raise PeerError(f"{link.name}: request {handle.req_id!r} was retracted or its engine is gone "
                             "during the pull; no block counts")
+        self._check_generation(link, deadline, "during the pull")
         return Outcome(value=list(task.dst_block_ids), bytes_moved=moved)
 
     # ------------------------------------------------------------------ push
@@ -110,7 +113,9 @@ class PeerTransfers:
         sides = [(g.kind, self._local_side(g, "device")) for g in self._resources.groups]
         moved = 0
         try:
-            self._publish(link, task, 0, deadline)  # started: the decode side can no longer cancel
+            self._publish(link, task, 0, deadline)  # started: a cancel from now on waits for this rank
+            self._check_ticket(link, task, deadline)
+            self._check_generation(link, deadline, "before the push")
             # Layer by layer as the engine computes them; a push of computed blocks moves every
             # layer in one copy per kind (one batch) and publishes once.
             layerwise = compute is not None and compute.ref.await_compute
@@ -118,6 +123,7 @@ class PeerTransfers:
             for step in steps:
                 if layerwise:
                     compute.wait_computed(step.stop, deadline, stop)
+                    self._check_ticket(link, task, deadline)  # cancelled or closed meanwhile: stop
                 if link.transport == "ipc":  # each head range into the decode rank that owns it
                     moved += self._copy_ipc(link, link.push_routes, sides, False, task.dst_block_ids,
                                             task.src_block_ids, step)
@@ -134,6 +140,7 @@ class PeerTransfers:
                                         task.task_id, link.name, step.start, step.stop)
                         return Outcome(value=[], bytes_moved=moved, still_running=self._late.submit(
                             self._fail_push_late, inflight, link, task))
+                self._check_generation(link, deadline, f"while layers [{step.start}, {step.stop}) were pushed")
                 self._publish(link, task, step.stop, deadline)
         except BaseException:
             try:
@@ -156,8 +163,8 @@ class PeerTransfers:
         index = pushed_index(link.peer_tp, task.target.slot, self._rank)
         word = pack(task.target.seq, value)
         board = link.board
-        if board.ipc is not None:
-            _shm_atomic.store_release(board.ipc.layer_board, index, word)
+        if board.ipc is not None:  # fenced: the ticket read after "started" cannot pass it (layer_progress)
+            _shm_atomic.store_fenced(board.ipc.layer_board, index, word)
         elif board.transport == "datadist":
             self._links.datadist.endpoint.write_layer_word(board.name, index, word, deadline)
         else:
@@ -223,6 +230,7 @@ class PeerTransfers:
                 remote_addrs += runs[1]
                 lengths += runs[2]
             jobs.append((peer.name, peer.te_address, local_addrs, remote_addrs, lengths))
+        self._links.te_memory_ready()
         inflight = self._links.te.transfer_many(jobs, write, deadline)
         return sum(sum(job[4]) for job in jobs), inflight
 
@@ -239,12 +247,32 @@ class PeerTransfers:
             raise ValueError(f"{what} block ids list a block twice")
 
     def _holds(self, link: PeerLink, handle: TransferHandle, deadline: float) -> bool:
-        if link.ipc is not None:
-            return holds(link.ipc.board_word(handle.slot), handle) and link.ipc.engine_alive()
-        if link.transport == "datadist":  # read after the bytes arrived: LIVE then means LIVE throughout
-            return holds(self._links.datadist.endpoint.read_board(link.name, handle.slot, deadline), handle)
-        board_word = self._links.read_word(link, link.te_board + 8 * handle.slot, deadline)
-        return holds(board_word, handle)
+        """Whether the handle's word (read after the bytes) still says LIVE, and, on one host, the
+        peer's engine still runs."""
+        alive = link.ipc is None or link.ipc.engine_alive()
+        return holds(self._links.board_word(link, handle.slot, deadline), handle) and alive
+
+    def _check_ticket(self, link: InstanceLink, task: PushTask, deadline: float) -> None:
+        """The decode side still accepts this push into exactly these blocks: its ticket word equals
+        the digest of the ticket's seq and blocks (``layer_progress.reservation_word``)."""
+        word = self._links.layer_board_word(link.board, ticket_index(link.peer_tp, task.target.slot), deadline)
+        if word is None:  # LLM-DataDist: the decode's layer board cannot be read (README, "Limits")
+            return
+        if word != reservation_word(task.target.seq, task.dst_block_ids):
+            why = ("fenced (the decode side cancelled or closed it, or it was pushed already)" if word == FENCED
+                   else "not the reservation the decode side made (other blocks, or another reservation's slot)")
+            raise PeerError(f"{link.name}: push ticket of slot {task.target.slot} is {why}; nothing more is written")
+
+    def _check_generation(self, link: InstanceLink, deadline: float, when: str) -> None:
+        """The peer engine's caches are still those its descriptor named (its board's generation
+        word, read after every byte moved so far); else nothing of this transfer counts."""
+        board = link.board
+        now = self._links.board_word(board, GENERATION_WORD, deadline)
+        if now != board.descriptor.generation:
+            state = "closed its prefill/decode side or is replacing its caches" if now == NO_GENERATION else \
+                f"replaced its caches (generation {board.descriptor.generation} -> {now})"
+            raise PeerError(f"{link.name}: its engine {state} {when}; no block counts: describe it and link "
+                            "again")
 
     def close(self) -> None:
         """Stop waiting for late batches (the process is stopping: they end with it)."""

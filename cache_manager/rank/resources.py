@@ -57,6 +57,12 @@ class RankResources:
         self.storage: StorageMover | DeviceStorageMover | None = None
         self._kept_host: dict[str, list[int]] = {}  # swap space kept while the caches are detached
         self.block_bytes_all_layers = 0  # one block of every kind and layer
+        # The generation of this rank's memory (caches and swap space): it changes at every attach,
+        # detach, allocation and free, so whatever registered or mapped the memory can tell it is
+        # stale.  ``watch_release`` callbacks run before memory is let go (a Transfer Engine
+        # registration must end before the memory does).
+        self.memory_generation = 0
+        self._release_watchers: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ device caches
     def wait_cache_ready(self) -> None:
@@ -78,9 +84,23 @@ class RankResources:
             if self._stop_event.wait(0.05):
                 raise EngineGone("stopped while waiting for caches")
 
+    def watch_release(self, watcher: Callable[[], None]) -> None:
+        """Call ``watcher()`` before any of this rank's caches or swap space is let go."""
+        self._release_watchers.append(watcher)
+
+    def _releasing(self) -> None:
+        self.memory_generation += 1
+        for watcher in self._release_watchers:
+            try:
+                watcher()
+            except Exception:  # the memory goes anyway: the watcher logs what it could not undo
+                self._log.exception("a memory-release watcher failed")
+
     def attach(self) -> None:
         """Attach every layer's device caches of every kind (extra layers and fp8 scales included)."""
         import paddle
+
+        self.memory_generation += 1
 
         layer_blocks = self._spec.layer_blocks()
         for kind, block_shape, dtype in self._spec.kinds():
@@ -98,6 +118,8 @@ class RankResources:
     def detach(self) -> None:
         """Detach every device cache; the swap space stays (``free_swap`` frees it) and is
         re-planned onto the caches of the next ``attach``."""
+        if self.groups:
+            self._releasing()
         for g in self.groups:
             if g.host_ptrs:
                 self._kept_host[g.kind] = g.host_ptrs
@@ -119,6 +141,7 @@ class RankResources:
         n = self._args.num_cpu_blocks
         if n == 0:
             return
+        self.memory_generation += 1
         allocated = 0
         for g in self.groups:
             kept = self._kept_host.pop(g.kind, None)
@@ -136,6 +159,8 @@ class RankResources:
 
     def free_swap(self) -> None:
         """Free the host swap space, kept or in use: its contents are gone."""
+        if any(g.host_ptrs for g in self.groups) or self._kept_host:
+            self._releasing()
         for ptrs in [g.host_ptrs for g in self.groups] + list(self._kept_host.values()):
             for ptr in ptrs:
                 self._platform.host_free(ptr)

@@ -11,6 +11,17 @@
  *   store_release(buffer, index, value)    words[index] = value, release
  *   load_acquire(buffer, index) -> int     words[index], acquire
  *   load_acquire_row(buffer, start, count) -> list[int]   count acquire loads from words[start]
+ *   load_after_reads(buffer, index) -> int    words[index], after every earlier load of this thread
+ *   store_fenced(buffer, index, value)        words[index] = value, then a full fence
+ *
+ * "Read the word after the bytes" (a puller that checks a handle, a generation or a ticket word only
+ * after its data loads) needs the opposite order to an acquire load: the *earlier* loads must be done
+ * before the word is read.  An acquire load does not give that (on aarch64 a later load of the word
+ * may be satisfied before earlier loads of the data); ``load_after_reads`` issues an acquire fence
+ * (dmb ishld) first, which orders every earlier load before every later one.  ``store_fenced`` is the
+ * writer's half, and the Dekker handshake of a push ticket (a writer stores "started" then reads the
+ * ticket; the decode side stores the fence then reads "started"): a store followed by a full fence
+ * (dmb ish / mfence), so no later load or store of this thread passes it.
  *
  * ``buffer`` is any object exposing a buffer of int64 words (the board's numpy array); the word
  * must lie inside it and be 8-byte aligned (an unaligned atomic is not one on every architecture).
@@ -89,7 +100,51 @@ static PyObject *load_acquire_row(PyObject *self, PyObject *args) {
     return out;
 }
 
+static PyObject *load_after_reads(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t index;
+    if (!PyArg_ParseTuple(args, "On:load_after_reads", &obj, &index))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    int64_t *w = word_at(&view, index, 1);
+    int64_t value = 0;
+    if (w != NULL) {
+        __atomic_thread_fence(__ATOMIC_SEQ_CST); /* every earlier load (the data) is done first */
+        value = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+    }
+    PyBuffer_Release(&view);
+    if (w == NULL)
+        return NULL;
+    return PyLong_FromLongLong(value);
+}
+
+static PyObject *store_fenced(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t index;
+    long long value;
+    if (!PyArg_ParseTuple(args, "OnL:store_fenced", &obj, &index, &value))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    int64_t *w = word_at(&view, index, 1);
+    if (w != NULL) {
+        __atomic_store_n(w, (int64_t)value, __ATOMIC_SEQ_CST);
+        __atomic_thread_fence(__ATOMIC_SEQ_CST); /* no later load or store passes the word */
+    }
+    PyBuffer_Release(&view);
+    if (w == NULL)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"load_after_reads", load_after_reads, METH_VARARGS,
+     "load_after_reads(buffer, index) -> int: load an int64 word after every earlier load (fenced)"},
+    {"store_fenced", store_fenced, METH_VARARGS,
+     "store_fenced(buffer, index, value): store an int64 word, then a full fence"},
     {"store_release", store_release, METH_VARARGS, "store_release(buffer, index, value): release store of an int64 word"},
     {"load_acquire", load_acquire, METH_VARARGS, "load_acquire(buffer, index) -> int: acquire load of an int64 word"},
     {"load_acquire_row", load_acquire_row, METH_VARARGS,

@@ -70,11 +70,11 @@ import numpy as np
 
 from transfer_factory.peer.datadist_params import (BOARD_MODEL_ID, DataDistParams, GroupParams, cache_groups,
                                                    check_peer, checked_blocks, cluster_id_for)
+from transfer_factory.peer.handles import BOARD_WORDS  # the handle slots, then the generation word
 
 __all__ = ["DataDistEndpoint", "DataDistError", "DataDistParams", "cluster_id_for"]
 
 ROLES = {"prefill": "PROMPT", "decode": "DECODER", "mixed": "PROMPT"}
-BOARD_SLOTS = 4096  # transfer_factory.peer.handles.SLOTS
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 DEFAULT_MEM_POOL_BYTES = 100 * 2**20  # "内存池大小至少配置为100M"
 SCRATCH_BYTES = 4096
@@ -173,7 +173,7 @@ class DataDistEndpoint:
                 groups.append(GroupParams(g if keyed else -1, cache.cache_id, tuple(group), bb, num_blocks))
             word = dd.DataType.DT_INT64
             if board and keyed:
-                self._register(dd.CacheDesc(1, [BOARD_SLOTS, 1], word, dd.Placement.HOST), [int(board)],
+                self._register(dd.CacheDesc(1, [BOARD_WORDS, 1], word, dd.Placement.HOST), [int(board)],
                                dd.BlocksCacheKey(self.cluster_id, BOARD_MODEL_ID), remote_accessible=True)
             lb_id, lb_words = -1, 0
             if layer_board is not None:
@@ -343,8 +343,8 @@ class DataDistEndpoint:
         peer = self._peer(name)
         if peer.board_model_id < 0:
             raise DataDistError(f"peer {name}: registered no exposure board")
-        if not 0 <= slot < BOARD_SLOTS:
-            raise ValueError(f"board slot {slot} outside [0, {BOARD_SLOTS})")
+        if not 0 <= slot < BOARD_WORDS:
+            raise ValueError(f"board slot {slot} outside [0, {BOARD_WORDS})")
         key = self._dd.BlocksCacheKey(peer.cluster_id, peer.board_model_id)
         with self._scratch_lock:
             self._call(name, f"pull_blocks of exposure-board word {slot}", deadline, self._manager.pull_blocks, key,

@@ -61,6 +61,11 @@ class PeerDescriptor:
     layout: CacheLayout
     boot_id: str  # the host's kernel boot id: the same-host transport needs the same kernel
     transports: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> what a peer needs to use it
+    # The generation of the engine's cache memory this descriptor describes (its exposure board's
+    # generation word, ``transfer_factory.peer.handles``); a link to it moves bytes only while the
+    # word still says so.  0: unknown, and no link is made to it.
+    generation: int = 0
+    pid: int = 0  # the rank's CTM process (a same-host peer watches it: a dead writer writes no more)
 
     def __post_init__(self) -> None:
         _text("instance_id", self.instance_id)
@@ -69,6 +74,10 @@ class PeerDescriptor:
         _count("tp", self.tp)
         if not (type(self.rank) is int and 0 <= self.rank < self.tp):
             raise ValueError(f"descriptor rank {self.rank!r} must be in [0, tp={self.tp})")
+        for name in ("generation", "pid"):
+            value = getattr(self, name)
+            if type(value) is not int or not 0 <= value < 2**62:
+                raise ValueError(f"descriptor field {name} {value!r:.40} must be a non-negative integer")
         unknown = sorted(set(self.transports) - set(TRANSPORTS))
         if unknown:
             raise ValueError(f"descriptor offers unknown transports {unknown}; known: {TRANSPORTS}")
@@ -92,7 +101,7 @@ class PeerDescriptor:
             raise ValueError("descriptor field 'transports' must map transport names to maps")
         return cls(instance_id=d.get("instance_id"), role=d.get("role"), rank=d.get("rank"), tp=d.get("tp"),
                    layout=_layout(layout), boot_id=_text("boot_id", d.get("boot_id"), empty=True),
-                   transports=transports)
+                   transports=transports, generation=d.get("generation", 0), pid=d.get("pid", 0))
 
 
 def compatible_layouts(local: PeerDescriptor, peer: PeerDescriptor) -> None:

@@ -10,6 +10,20 @@ read before the retraction, and the engine reuses a block only after it retracte
 (``retract`` stores RETRACTED first).  So a block is counted only if all its bytes came from the
 source block while it still held the request's KV (DESIGN §3.11), whatever the prefill side did
 meanwhile: retract, reuse, crash.  The engine's pin is a matter of throughput, not of correctness.
+
+After the handle slots the board holds its *generation word* (``GENERATION_WORD``): the generation
+of the engine's cache memory (DESIGN §3.8), nonzero while the caches a descriptor named are the ones
+attached, ``NO_GENERATION`` (0) from the moment the engine starts replacing them (an RL clear, a
+sleep) or closes its prefill/decode side.  A peer link records the generation it was made for; a
+transfer reads the word before its first byte and again after its last (with the handle word), and
+counts nothing unless both equal the link's.  So a link outliving the memory it maps moves no byte
+that counts.  The engine retracts every handle before it publishes a new generation: a handle, too,
+names the memory of the generation it was exposed in.
+
+Reading "after the bytes" needs a fence on every architecture: ``_shm_atomic.load_after_reads`` (an
+acquire fence before the load, so the data loads are done first; x86 keeps loads in order anyway,
+aarch64 does not).  The engine's stores are release stores followed by a full fence
+(``store_fenced``), so its later reuse of a block cannot pass the retraction.
 """
 from __future__ import annotations
 
@@ -24,7 +38,11 @@ from ops import _shm_atomic
 
 SLOTS = 4096
 WORD_BYTES = 8
-BOARD_BYTES = SLOTS * WORD_BYTES
+GENERATION_WORD = SLOTS  # the word after the handle slots
+HEADER_WORDS = 8  # the generation word and room for more
+BOARD_WORDS = SLOTS + HEADER_WORDS
+BOARD_BYTES = BOARD_WORDS * WORD_BYTES
+NO_GENERATION = 0  # the caches are being replaced, or the board is closed: nothing counts
 FREE, LIVE, RETRACTED = 0, 1, 2
 MAX_HANDLE_ID = (1 << 61) - 1
 
@@ -56,6 +74,14 @@ class TransferHandle:
         return cls(d["instance_id"], d["req_id"], slot, handle_id)
 
 
+def new_generation(previous: int = NO_GENERATION) -> int:
+    """A generation no earlier memory had: random at first (two runs of one engine never meet),
+    then the next one up, never ``NO_GENERATION``."""
+    if previous == NO_GENERATION:
+        return secrets.randbelow(1 << 48) + 1
+    return previous % ((1 << 62) - 1) + 1
+
+
 def word(handle_id: int, state: int) -> int:
     return (handle_id << 2) | state
 
@@ -70,8 +96,8 @@ class ExposureBoard:
     memory (a shared-memory array the engine created); the engine alone writes it."""
 
     def __init__(self, words: np.ndarray, instance_id: str):
-        if words.dtype != np.int64 or words.shape != (SLOTS,):
-            raise ValueError(f"an exposure board is {SLOTS} int64 words, got {words.dtype} {words.shape}")
+        if words.dtype != np.int64 or words.shape != (BOARD_WORDS,):
+            raise ValueError(f"an exposure board is {BOARD_WORDS} int64 words, got {words.dtype} {words.shape}")
         self.words = words
         self.instance_id = instance_id
         self._lock = threading.Lock()
@@ -98,10 +124,21 @@ class ExposureBoard:
         with self._lock:
             if self._live.get(handle.req_id) != handle:
                 return False
-            _shm_atomic.store_release(self.words, handle.slot, word(handle.handle_id, RETRACTED))
+            _shm_atomic.store_fenced(self.words, handle.slot, word(handle.handle_id, RETRACTED))
             del self._live[handle.req_id]
             self._free.insert(0, handle.slot)  # reused last: a late reader sees RETRACTED longest
             return True
+
+    @property
+    def generation(self) -> int:
+        return _shm_atomic.load_acquire(self.words, GENERATION_WORD)
+
+    def publish_generation(self, generation: int) -> None:
+        """The engine's cache memory is now ``generation`` (``NO_GENERATION``: being replaced, or
+        gone).  Moving away from a generation retracts every handle first: they name its blocks."""
+        if generation != self.generation:
+            self.retract_all()
+        _shm_atomic.store_fenced(self.words, GENERATION_WORD, int(generation))
 
     def live(self) -> list[TransferHandle]:
         with self._lock:

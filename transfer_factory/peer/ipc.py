@@ -25,7 +25,7 @@ from ops.layout import Side
 from ops.procs import ProcessWatch
 from ops.shm import shm_path
 
-from transfer_factory.peer.handles import BOARD_BYTES, SLOTS
+from transfer_factory.peer.handles import BOARD_BYTES, BOARD_WORDS
 
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,250}$")
 
@@ -170,10 +170,12 @@ class IpcPeer:
     def side(self, kind: str) -> Side:
         return self._sides[kind]
 
-    def board_word(self, slot: int) -> int:
-        if not 0 <= slot < SLOTS:
-            raise ValueError(f"handle slot {slot} outside the board")
-        return _shm_atomic.load_acquire(self._board, slot)
+    def board_word(self, index: int) -> int:
+        """Word ``index`` of the peer engine's exposure board (a handle slot or its generation word),
+        read after every earlier load of this thread (the bytes of a transfer)."""
+        if not 0 <= index < BOARD_WORDS:
+            raise ValueError(f"board word {index} outside the board")
+        return _shm_atomic.load_after_reads(self._board, index)
 
     def engine_alive(self) -> bool:
         return self._engine is not None and not self._engine.gone()

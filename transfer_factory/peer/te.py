@@ -21,8 +21,9 @@ import logging
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -33,6 +34,10 @@ DONE, RUNNING, FAILED, TIMED_OUT = 1, 0, -1, -2
 
 class PeerTransferError(RuntimeError):
     """A transfer to or from a peer failed; the message names the peer."""
+
+
+class WordStillInFlight(PeerTransferError):
+    """A board word's transfer outlived its deadline: its scratch word may still be written."""
 
 
 # Runs in flight per transfer, counted in the engine's 64 KiB slices: Mooncake 0.3.13's TCP
@@ -107,6 +112,39 @@ def block_addresses(bases: np.ndarray, stride: int, ids: Sequence[int], layers: 
     return (bases[layers.start:layers.stop, None] + idx[None, :]).reshape(-1).tolist()
 
 
+class ScratchWords:
+    """Registered words that board reads and writes land in or leave from, one per word transfer in
+    flight: two transfers never share one, so a late word cannot overwrite a newer transfer's.  A
+    word whose transfer outlived its deadline is never handed out again (it may still be written)."""
+
+    def __init__(self, count: int = 64):
+        self.words = np.zeros(count, dtype=np.int64)
+        self._free = list(range(count))
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> int:
+        return int(self.words.ctypes.data)
+
+    @contextmanager
+    def take(self) -> Iterator[np.ndarray]:
+        with self._lock:
+            if not self._free:
+                raise PeerTransferError(f"every one of {len(self.words)} board-word scratch words is held by a "
+                                        "transfer that outlived its deadline")
+            index = self._free.pop()
+        lost = False
+        try:
+            yield self.words[index:index + 1]
+        except WordStillInFlight:
+            lost = True
+            raise
+        finally:
+            if not lost:
+                with self._lock:
+                    self._free.append(index)
+
+
 class TransferEngineEndpoint:
     def __init__(self, hostname: str, protocol: str, log: logging.Logger):
         self.hostname = hostname
@@ -147,6 +185,14 @@ class TransferEngineEndpoint:
         if rc != 0:
             raise PeerTransferError(f"Transfer Engine: registering {nbytes} bytes at {address:#x} failed ({rc})")
         self._registered.append(int(address))
+
+    def unregister(self, address: int) -> None:
+        """Peers can no longer read or write the memory registered at ``address`` (before it is freed)."""
+        if int(address) in self._registered:
+            self._registered.remove(int(address))
+            rc = self._engine.unregister_memory(int(address))
+            if rc != 0:
+                self._log.error("Transfer Engine: unregistering %#x failed (%s)", int(address), rc)
 
     def transfer(self, peer: str, peer_address: str, write: bool, local: list[int], remote: list[int],
                  lengths: list[int], deadline: float) -> Inflight | None:
@@ -234,7 +280,7 @@ class TransferEngineEndpoint:
     def read_word(self, peer: str, peer_address: str, scratch: np.ndarray, remote: int, deadline: float) -> int:
         """One 8-byte word of the peer's registered memory (its exposure board)."""
         if self.transfer(peer, peer_address, False, [int(scratch.ctypes.data)], [remote], [8], deadline) is not None:
-            raise PeerTransferError(f"peer {peer} ({peer_address}): no answer for its exposure board in time")
+            raise WordStillInFlight(f"peer {peer} ({peer_address}): no answer for its exposure board in time")
         return int(scratch.view(np.int64)[0])
 
     def write_word(self, peer: str, peer_address: str, scratch: np.ndarray, remote: int, value: int,
@@ -242,7 +288,7 @@ class TransferEngineEndpoint:
         """Store one 8-byte word into the peer's registered memory (its layer board)."""
         scratch.view(np.int64)[0] = value
         if self.transfer(peer, peer_address, True, [int(scratch.ctypes.data)], [remote], [8], deadline) is not None:
-            raise PeerTransferError(f"peer {peer} ({peer_address}): a layer-board word was not written in time")
+            raise WordStillInFlight(f"peer {peer} ({peer_address}): a layer-board word was not written in time")
 
     def close(self) -> None:
         with self._lock:
