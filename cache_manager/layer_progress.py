@@ -20,6 +20,15 @@ plain stores and loads would happen to be enough.  Per slot there are:
   rank ``writer`` has written into this instance's reserved blocks (0 once it started), or
   ``FAILED``.  The writers are the *prefill* instance's ranks, whose TP size may differ from ours,
   so they have their own ``PUSH_WRITERS`` columns.
+* ``ticket``: for a push, the reservation the decode engine made (``reservation_word``: a digest of
+  the task's seq and the destination blocks, never 0) while it accepts writes, ``FENCED`` (0) once
+  it cancelled or closed it.  A writer stores its ``pushed`` word "started", then reads the ticket
+  word and writes nothing unless it equals the digest of the ticket it was handed, before each
+  layer: so the decode side, not the ticket, decides which blocks are written, and a ticket that
+  was cancelled, closed, pushed twice, altered or swapped for another writes no byte.  The decode
+  side stores the fence, then reads the ``pushed`` words (each side's store is followed by a full
+  fence before its load, ``_shm_atomic.store_fenced``): a cancel that sees no writer started knows
+  none will start.
 
 The engine (``engine_hooks.layerwise``) creates the board, hands out slots and frees a slot only once
 every rank has released the task, so no late rank writes into a slot another task uses.  It is a
@@ -27,10 +36,11 @@ plain ``int64`` IPCSignal named ``layer_progress``; a CTM attaches on its first 
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -44,11 +54,28 @@ VALUE_MASK = (1 << VALUE_BITS) - 1
 FAILED = VALUE_MASK  # a landed word holding this value: the rank gave up on the task
 MAX_SEQ = (1 << (63 - VALUE_BITS)) - 1
 PUSH_WRITERS = 16  # the largest TP size of a prefill instance that pushes into this one
+FENCED = 0  # a ticket word: the decode side accepts no (more) writes into this slot
 
 
 def board_shape(tp: int) -> tuple[int, int]:
-    """Columns: ``landed`` per rank, ``blocks`` per rank, ``computed``, then ``pushed`` per writer."""
-    return (SLOTS, 2 * tp + 1 + PUSH_WRITERS)
+    """Columns: ``landed`` per rank, ``blocks`` per rank, ``computed``, ``pushed`` per writer, ``ticket``."""
+    return (SLOTS, 2 * tp + 1 + PUSH_WRITERS + 1)
+
+
+def ticket_index(tp: int, slot: int) -> int:
+    """Where the decode engine publishes the reservation of ``slot`` (the word's index in the board)."""
+    if not 0 <= slot < SLOTS:
+        raise IndexError(f"ticket word of slot {slot} outside {SLOTS} slots")
+    return slot * board_shape(tp)[1] + 2 * tp + 1 + PUSH_WRITERS
+
+
+def reservation_word(seq: int, dst_block_ids: Sequence[int]) -> int:
+    """The ticket word of a push reservation: a 63-bit digest of its seq and destination blocks,
+    never ``FENCED``.  Writer and decode compute it alike; one that differs writes nothing."""
+    h = hashlib.blake2b(digest_size=8, person=b"ctm-push-ticket")
+    h.update(int(seq).to_bytes(8, "little"))
+    h.update(np.asarray(list(dst_block_ids), dtype="<i8").tobytes())
+    return (int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)) | 1
 
 
 def pushed_index(tp: int, slot: int, writer: int) -> int:
@@ -129,6 +156,14 @@ class LayerBoard:
 
     def pushed(self, slot: int, writer: int) -> int:
         return self._load(self.words, pushed_index(self.tp, slot, writer))
+
+    def ticket(self, slot: int) -> int:
+        return self._load(self.words, ticket_index(self.tp, slot))
+
+    def set_ticket(self, slot: int, word: int) -> None:
+        """Publish or fence a push reservation: a store, then a full fence (no later load of the
+        ``pushed`` words passes it)."""
+        _shm_atomic.store_fenced(self.words, ticket_index(self.tp, slot), word)
 
     def set_landed(self, slot: int, rank: int, word: int) -> None:
         """Publish: a release store, so everything this thread wrote before (the layer's bytes) is

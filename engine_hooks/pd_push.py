@@ -8,13 +8,23 @@ its heads of it) and raises as soon as one writer published FAILED.  A writer's 
 once it says every layer or FAILED: that rank writes no more.  ``released`` holds once every
 writer's word is final; until then the reserved blocks must not be reused (a late write could
 still land), and the slot stays held.
+
+The reservation is fenced (``layer_progress``): the slot's ticket word holds a digest of the task's
+seq and the reserved blocks while writes are welcome, and every writer checks it before its first
+byte and before each layer, so a ticket that was cancelled, closed, pushed a second time, altered
+(other block ids) or swapped for another reservation's writes nothing.  A writer whose process is
+gone (``writer_gone``: a same-host writer's pid, watched through a pidfd) writes no more either:
+its word counts as final, so a target whose writers died is released instead of held for good.
+Across hosts nobody can see a writer die; ``force_release`` is the operator's way out once the
+prefill instance was restarted (or its link torn down).
 """
 from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
-from cache_manager.layer_progress import FAILED, LayerwiseRef, unpack, wait_until
+from cache_manager.layer_progress import FAILED, FENCED, LayerwiseRef, reservation_word, unpack, wait_until
 
 from .errors import CacheServiceError
 from .layerwise import LayerWaitTimeout, LayerwiseTasks
@@ -28,13 +38,16 @@ class PushFailed(CacheServiceError):
 
 class PushTarget:
     def __init__(self, tasks: LayerwiseTasks, ref: LayerwiseRef, instance_id: str, peer_id: str,
-                 dst_blocks: list[int], layers: int, deadline: float, writers: list[int]):
+                 dst_blocks: list[int], layers: int, deadline: float, writers: list[int],
+                 writer_gone: Callable[[int], bool] | None = None):
         self._tasks, self.ref = tasks, ref
         self.writers = list(writers)
         self.instance_id, self.peer_id = instance_id, peer_id
         self.dst_blocks = dst_blocks
         self.layers, self.deadline = layers, deadline
+        self._writer_gone = writer_gone or (lambda writer: False)
         self._freed = False
+        self._tasks.board.set_ticket(ref.slot, reservation_word(ref.seq, dst_blocks))  # before the ticket leaves
 
     @property
     def ticket(self) -> dict:
@@ -46,11 +59,18 @@ class PushTarget:
         board = self._tasks.board
         return [unpack(board.pushed(self.ref.slot, writer), self.ref.seq) for writer in self.writers]
 
+    def _final(self, writer: int, value: int | None) -> bool:
+        """Writer ``writer`` writes no more: its word says every layer or FAILED, or it is gone."""
+        return value in (self.layers, FAILED) or self._writer_gone(writer)
+
     def _landed(self, layer: int) -> bool:
         words = self._words()
         for writer, value in zip(self.writers, words):
             if value == FAILED:
                 raise PushFailed(f"push from {self.peer_id}: its rank {writer} gave up before layer {layer} landed")
+            if (value is None or value <= layer) and self._writer_gone(writer):
+                raise PushFailed(f"push from {self.peer_id}: its rank {writer} is gone (its process ended) before "
+                                 f"layer {layer} landed")
         return all(value is not None and value > layer for value in words)
 
     def missing(self, layer: int) -> list[int]:
@@ -77,7 +97,7 @@ class PushTarget:
     @property
     def released(self) -> bool:
         """No prefill rank will write into the reserved blocks any more."""
-        return all(value in (self.layers, FAILED) for value in self._words())
+        return self._freed or all(self._final(w, value) for w, value in zip(self.writers, self._words()))
 
     def wait_released(self, timeout: float) -> bool:
         try:
@@ -87,26 +107,44 @@ class PushTarget:
         return True
 
     def cancel(self) -> bool:
-        """Give the slot back for a ticket the prefill side never submitted (the router knows:
-        ``push_blocks`` raised, or the request was dropped first).  Refused (False) once any rank
-        has written a word: then only ``released`` says when no write can still land."""
+        """Fence the ticket (no writer starts after this) and give the slot back if no writer had
+        started: True.  False if one had: the blocks are released once every writer that started
+        stopped (``released``; a fenced writer stops before its next layer)."""
         if self._freed:
             return True
-        if any(value is not None for value in self._words()):
+        self._fence()
+        if any(value is not None and not self._writer_gone(w) for w, value in zip(self.writers, self._words())):
             return False
-        self._freed = True
-        self._tasks.free(self.ref)
+        self._free()
         return True
 
     def close(self) -> bool:
-        """Give the board slot back once released; False (slot kept, logged) while a rank may
-        still write, so the slot never goes to a newer task under a late writer."""
+        """Fence the ticket (a push of it again writes nothing) and give the board slot back once
+        released; False (slot kept, logged) while a rank may still write, so the slot never goes to
+        a newer task under a late writer."""
         if self._freed:
             return True
+        self._fence()
         if not self.released:
             logger.error("push from %s into blocks %s not released: its slot %d stays held", self.peer_id,
                          self.dst_blocks[:8], self.ref.slot)
             return False
+        self._free()
+        return True
+
+    def force_release(self) -> None:
+        """The operator's word that no writer of this push can write any more (its prefill instance
+        was restarted, or the link torn down so its writes are refused): fence and free the slot.
+        The reserved blocks may be reused from now on."""
+        if not self._freed:
+            logger.warning("push from %s into blocks %s force-released (slot %d)", self.peer_id, self.dst_blocks[:8],
+                           self.ref.slot)
+            self._fence()
+            self._free()
+
+    def _fence(self) -> None:
+        self._tasks.board.set_ticket(self.ref.slot, FENCED)
+
+    def _free(self) -> None:
         self._freed = True
         self._tasks.free(self.ref)
-        return True
