@@ -1,9 +1,11 @@
 """FastDeploy's ``EngineCacheQueue``, engine side, over this project's secure queue (zmq, msgpack,
 HMAC frames; never pickle).  The contract is in README.md, "Adopting from FastDeploy"; in short:
 
-* ``is_server=True`` hosts one ``EngineCacheQueueServer``, one ``TaskTracker`` and the engine's
-  ``Supervisor`` (deadlines, pumping, CTM deaths through pidfds on the pids the ranks announce when
-  they join); ``is_server=False`` is a handle on the server of that port (or path) in this process.
+* ``is_server=True`` hosts one ``EngineCacheQueueServer`` and one engine core (``engine_core``, the
+  service's too: task tracking, the supervisor with its deadlines, pumping and CTM deaths through
+  pidfds on the pids the ranks announce when they join, the host-slot guard, and what a CTM that
+  exits or rejoins does); ``is_server=False`` is a handle on the server of that port (or path) in
+  this process.  This module only translates FastDeploy's calls.
 * ``address`` is ``(host, port)`` or FastDeploy's Unix-socket path ``/dev/shm/fd_task_queue_<port>.sock``,
   a name only: the socket is in the queue's private directory (``fastdeploy_address``).
   ``local_data_parallel_size > 1`` is refused.  FastDeploy's task tuples are parsed in
@@ -14,7 +16,8 @@ HMAC frames; never pickle).  The contract is in README.md, "Adopting from FastDe
   itself is in no environment.
 * Done signals are FastDeploy's tuples as its CTMs send them (a read's once per rank), queued only
   once the task resolved *and* every rank let go of its blocks (``future.released``).  A failed
-  storage task reports 0 blocks; a failed swap is never reported done, only in ``failed_tasks()``.
+  storage task reports 0 blocks; a failed swap is never reported done, only in ``failed_tasks()``:
+  so is a swap-in from host slots that a rejoined CTM's new swap space no longer holds.
 * Control requests ``(CTRL, ControlRequest)`` are answered by ``get_control_response`` as soon as
   every rank answered, or one failed, died or stayed silent past ``control_timeout``
   (``fastdeploy_control``).
@@ -40,8 +43,7 @@ from .fastdeploy_address import parse_address
 from .fastdeploy_control import ControlRefused, ControlResponse, ControlResponses, response_from
 from .fastdeploy_tasks import Entry, parse_transfer_task
 from .queue_secret import SECRET_LABEL, SecretFile, derive_secret, new_salt
-from .supervisor import Supervisor
-from .task_tracker import TaskTracker
+from .engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +84,9 @@ class AnnouncedProcess:
 
 
 class _Core:
-    """The server side: queue, tracker, supervisor, done signals.  Every handle of a port shares it."""
+    """The server side: queue, done signals, and the engine core (``engine_core.EngineCore``: tracking,
+    supervision, the host-slot guard, what a rank going down or rejoining does), which the service
+    shares.  Every handle of a port shares it."""
 
     def __init__(self, host: str, port: int, num_client: int, secret: bytes, task_timeout: float,
                  storage_grace: float, ready_timeout: float, ipc_path: str | None = None,
@@ -98,14 +102,15 @@ class _Core:
         self._all_joined, self._closed = False, False
         self._join_deadline: float | None = None
         self._joined_ranks: dict[int, AnnouncedProcess] = {}  # rank -> the process that joined last
-        self.tracker = TaskTracker(num_client, on_sooner_deadline=lambda: self._supervisor.ring())
-        # deadlines, the queue's pump and CTM deaths, like the service's
-        self._supervisor = Supervisor(self._joined_processes, self.tracker, self._pump, self._rank_gone,
-                                      name="fd-cache-queue-supervisor")
+        # FastDeploy does not tell the queue its swap space's size: the ranks refuse slots outside it
+        self.engine = EngineCore(num_client, None, self._joined_processes, self._pump, self._rank_gone,
+                                 control_timeout=control_timeout, supervisor_name="fd-cache-queue-supervisor")
+        self.tracker = self.engine.tracker
         self.server = EngineCacheQueueServer(num_client, secret, host=host, port=port,
                                              on_result=self.tracker.on_result, on_rank_joined=self._joined,
                                              ipc_path=ipc_path)
-        self._supervisor.start()
+        self.engine.serve(self.server)
+        self.engine.start()
 
     # -- submission -------------------------------------------------------------
     def submit(self, item: Any) -> None:
@@ -133,7 +138,7 @@ class _Core:
                 wid, n = f"{wire_task['task_id']}#{n}", n + 1
             wire_task["task_id"], self.inflight[wid] = wid, entry
         try:
-            task, future, send = self.tracker.begin(wire_task, timeout, grace)
+            future = self.engine.submit(wire_task, timeout, grace)
         except BaseException:
             with self.lock:
                 self.inflight.pop(wid, None)
@@ -145,10 +150,6 @@ class _Core:
         settle = lambda _f: self._settle(wid, future)  # noqa: E731
         future.add_done_callback(settle)
         future.released.add_done_callback(settle)
-        if send:
-            unreachable = self.server.broadcast(task)
-            if unreachable:
-                self.tracker.unreachable(wid, unreachable)
 
     # -- completion (runs on whichever thread resolves the future) ----------------
     def _settle(self, wid: str, future: Future) -> None:
@@ -198,8 +199,9 @@ class _Core:
     def _joined(self, rank: int, pid: int) -> None:  # queue I/O thread: must not block
         with self.lock:
             self._joined_ranks[rank] = AnnouncedProcess(pid)
-        self.tracker.mark_up(rank)  # after the new pid is known: the old process's death is not this one's
-        self._supervisor.ring()  # watch it at once
+        # a CTM that (re)joins has new, empty swap space and has heard no pause sent before
+        self.engine.rank_joined(rank, pid)
+        self.engine.rank_up(rank)  # after the new pid is known: the old process's death is not this one's
 
     def _joined_processes(self) -> dict[int, AnnouncedProcess]:
         with self.lock:
@@ -210,13 +212,12 @@ class _Core:
 
     def _rank_gone(self, rank: int, proc: AnnouncedProcess) -> None:
         logger.error("CTM rank %d (pid %d) exited; failing its tasks until it rejoins", rank, proc.pid)
-        self.server.forget_rank(rank)
-        self.tracker.rank_died(rank, f"(pid {proc.pid}) exited")
+        self.engine.rank_down(rank, f"(pid {proc.pid}) exited")
 
     @property
     def supervisor_errors(self) -> int:
         """Iterations of the supervisor that raised and were survived."""
-        return self._supervisor.errors
+        return self.engine.supervisor.errors
 
     # -- what the engine reads ------------------------------------------------------
     def next_done(self) -> Any:
@@ -249,7 +250,7 @@ class _Core:
             self._closed = True
             for entry in self.inflight.values():
                 entry.forget()  # nobody reads signals any more
-        self._supervisor.stop(5.0)
+        self.engine.stop_supervisor(5.0)
         self.tracker.close()
         self.server.close()
         logger.info("EngineCacheQueue on %s closed", self.server.address)

@@ -13,8 +13,10 @@ blocks quarantined until a release that never comes (DESIGN §4).  So, at once:
    doubles with each restart in the policy's window; past ``max_restarts`` in that window it stays
    down, logged, until the engine calls ``restart_rank`` itself (which starts the count afresh).
 
-A restarted rank's host swap space is new and empty: a swap-in from a slot written before the
-restart (and not since) fails at once (``HostSlots``) rather than load zeros on that rank.
+A restarted rank's host swap space is new and empty: the engine core hears of it (``rank_replaced``),
+so a swap-in from a slot written before the restart (and not since) fails at once
+(``host_slots.HostSlots``) rather than load zeros on that rank.  Declaring a rank down and bringing
+it up again go through the engine core (``engine_core.EngineCore``), as FastDeploy's façade does.
 
 Threads: ``stream_broke`` is called by the queue under its lock and only hands off; ``process_died``
 runs on the supervisor's thread; declarations of broken streams and every restart run on this
@@ -31,12 +33,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from cache_manager.cache_data import CacheStatus
 from cache_manager.queue.session import STREAM_BROKEN_EXIT
 
-from .errors import TaskFailedError
+from .engine_core import EngineCore
 from .launcher import KILL_WAIT, RankProcess, RankProcesses
-from .task_tracker import TaskTracker
 
 logger = logging.getLogger(__name__)
 
@@ -59,73 +59,30 @@ class RestartPolicy:
         return min(self.cap_s, self.base_s * 2 ** recent_restarts)
 
 
-class HostSlots:
-    """The host swap slots that lost their contents on some rank when it restarted (a new process
-    has new, empty swap space), since the engine last swapped blocks out into them.  A swap-in from
-    one would load zeros on that rank and the old bytes on the others: it fails at once instead, so
-    an engine that did not hear of an automatic restart never computes on wrong bytes."""
-
-    def __init__(self, num_slots: int):
-        self._num_slots = num_slots
-        self._lock = threading.Lock()
-        self._written: set[int] = set()  # swapped out into since the last restart of any rank
-        self._lost: dict[int, int] = {}  # slot -> the rank whose restart emptied it
-
-    def rank_restarted(self, rank: int) -> None:
-        with self._lock:
-            for slot in self._written:
-                self._lost.setdefault(slot, rank)
-            self._written.clear()
-
-    def refusal(self, task: dict) -> TaskFailedError | None:
-        """Why ``task`` must fail before it is sent (a swap-in from a slot a restart emptied), or None;
-        a swap-out makes its slots good again."""
-        event, slots = task.get("event_type"), task.get("cpu_block_ids")
-        if event not in (CacheStatus.SWAP2CPU, CacheStatus.SWAP2GPU) or not isinstance(slots, list):
-            return None
-        slots = [s for s in slots if type(s) is int and 0 <= s < self._num_slots]  # the ranks refuse the rest
-        with self._lock:
-            if event == CacheStatus.SWAP2CPU:
-                self._written.update(slots)
-                for slot in slots:
-                    self._lost.pop(slot, None)
-                return None
-            lost = {slot: self._lost[slot] for slot in slots if slot in self._lost}
-        if not lost:
-            return None
-        rank = min(lost.values())
-        return TaskFailedError(task.get("task_id", "(not submitted)"),
-                               {rank: f"host slots {sorted(lost)[:8]} lost their contents when this rank "
-                                      "restarted: swap the blocks out again before swapping them in"})
-
-
 @dataclass
 class RankHooks:
     """What recovery drives of the service that owns it."""
 
     ranks: RankProcesses
-    tracker: TaskTracker
-    forget: Callable[[int], None]  # the queue stops sending to the rank and lets a new process register
+    core: EngineCore  # tracking, supervision, the host-slot guard, the queue's view of the ranks
     registered: Callable[[], set[int]]  # the ranks the queue reaches
     reset: Callable[[int], None]  # the rank's readiness signals start over
     ready: Callable[[int], bool]  # the rank's new process serves
-    watch: Callable[[], None]  # the supervisor looks at the ranks' processes at once
     ready_timeout: float
     stop_grace: float
-    num_cpu_blocks: int
 
 
 class RankRecovery:
     def __init__(self, hooks: RankHooks, policy: RestartPolicy | None = None, auto_restart: bool = True):
         self._hooks = hooks
-        self._procs, self._tracker, self._forget = hooks.ranks.current, hooks.tracker, hooks.forget
+        self._core = hooks.core
+        self._procs, self._tracker, self._forget = hooks.ranks.current, hooks.core.tracker, hooks.core.forget_rank
         # Per rank: its restarts (manual or automatic) and declarations, one at a time, so a late
         # report about a replaced process never downs its successor.
         self._rank_locks: dict[int, threading.RLock] = {}
         self._rank_locks_lock = threading.Lock()
         self.replacements = 0  # rank processes replaced so far (automatically or by restart_rank)
         self._count_lock = threading.Lock()
-        self.host_slots = HostSlots(hooks.num_cpu_blocks)
         self.policy = policy or RestartPolicy()
         self.auto_restart = auto_restart
         self._declare_lock = threading.Lock()  # one declaration per death, whoever sees it first
@@ -190,24 +147,23 @@ class RankRecovery:
         one and wait until it serves (``StartupError`` if it does not, or ``cancel`` is set)."""
         h = self._hooks
         with self._lock_of(rank):
-            h.tracker.mark_down(rank, "is restarting")  # first: the supervisor must not see the stop as a death
+            self._tracker.mark_down(rank, "is restarting")  # first: the supervisor must not see the stop as a death
             old = self._procs().get(rank)
-            h.forget(rank)  # first: its stream closing as it stops is no break
+            self._forget(rank)  # first: its stream closing as it stops is no break
             stopped = h.ranks.stop(rank, h.stop_grace)
             h.reset(rank)
-            self.host_slots.rank_restarted(rank)  # the new process's swap space is empty
+            self._core.rank_replaced(rank)  # the new process's swap space is empty
             with self._count_lock:
                 self.replacements += 1  # a prefix cache compares this and forgets its host tier
             if old is not None:  # no answer comes from it; one that would not die still holds its blocks
-                h.tracker.rank_died(rank, f"(pid {old.pid}) is restarting", release=stopped)
+                self._core.rank_down(rank, f"(pid {old.pid}) is restarting", release=stopped)
             # wait until the old connection is forgotten before the new one says hello
             deadline = time.monotonic() + 5.0
             while rank in h.registered() and time.monotonic() < deadline:
                 time.sleep(0.01)
             new = h.ranks.start(rank)
             h.ranks.wait_ready([rank], h.ready, h.ready_timeout, cancel)
-            h.tracker.mark_up(rank)
-            h.watch()  # watch the new process at once
+            self._core.rank_up(rank)  # tasks reach it; the supervisor watches the new process at once
             logger.info("rank %d restarted as pid %d", rank, new.pid)
 
     # ------------------------------------------------------------------ declaring
@@ -244,8 +200,7 @@ class RankRecovery:
 
     def _declared(self, rank: int, pid: int, detail: str, released: bool) -> None:
         logger.error("CTM rank %d %s; failing every pending task", rank, detail)
-        self._forget(rank)
-        self._tracker.rank_died(rank, detail, release=released)
+        self._core.rank_down(rank, detail, release=released)
         self._schedule(rank, pid)
 
     # ------------------------------------------------------------------ restarting

@@ -56,9 +56,8 @@ from .errors import CachesClearedError, ServiceClosed
 from .launcher import RankProcess, RankProcesses, default_log_dir, free_port
 from .layerwise import LayerwiseTasks
 from .metrics import CacheMetrics
+from .engine_core import EngineCore
 from .rank_recovery import RankHooks, RankRecovery, RestartPolicy
-from .supervisor import Supervisor
-from .task_tracker import TaskFuture, TaskTracker
 from .wire_tasks import storage_task, swap_task
 
 logger = logging.getLogger(__name__)
@@ -142,19 +141,22 @@ class CacheTransferService:
         self._ranks = RankProcesses(self.ctm_flags, self.log_dir, lambda: {wire.SECRET_ENV: self._secret.hex(),
                                                                            IPC_TOKEN_ENV: self.ipc_token,
                                                                            **self.extra_env})
-        # every task in flight, its future and its release
-        self.tracker = TaskTracker(tp, record_latencies, on_sooner_deadline=lambda: self._supervisor.ring())
+        # the engine core, shared with FastDeploy's façade: every task in flight (its future and its
+        # release), the supervisor, the host-slot guard, what a rank going down or coming back does
+        self.core = EngineCore(tp, num_cpu_blocks, self._ranks.current, self._on_beat,
+                               lambda rank, proc: self.recovery.process_died(rank, proc),
+                               control_timeout=task_timeout, record_latencies=record_latencies)
+        self.tracker = self.core.tracker
         self.metrics = CacheMetrics()  # counted from the ranks' results; served only with metrics_port
         self.metrics.attach(self.tracker, backend=storage_backend)
         if metrics_port is not None and not (isinstance(metrics_port, int) and 0 <= metrics_port < 65536):
             raise ValueError(f"metrics_port {metrics_port!r} must be a port number (0 picks a free one)")
         self.metrics_port = metrics_port
         self._shutdown_lock = threading.Lock()
-        hooks = RankHooks(self._ranks, self.tracker, lambda r: self.server and self.server.forget_rank(r),
-                          lambda: self.server.registered_ranks(), self.resources.reset_rank, self._rank_ready,
-                          lambda: self._supervisor.ring(), ready_timeout, stop_grace, num_cpu_blocks)
+        hooks = RankHooks(self._ranks, self.core, lambda: self.server.registered_ranks(), self.resources.reset_rank,
+                          self._rank_ready, ready_timeout, stop_grace)
         self.recovery = RankRecovery(hooks, restart_policy, auto_restart)  # a rank down: killed, released, restarted
-        self._supervisor = Supervisor(self._ranks.current, self.tracker, self._on_beat, self.recovery.process_died)
+        self._supervisor = self.core.supervisor
         self._closed = False
         self._started = False
 
@@ -176,7 +178,9 @@ class CacheTransferService:
             self.resources.create()
             self.server = EngineCacheQueueServer(self.tp, self._secret, host=self.pod_ip, port=self.cache_queue_port,
                                                  on_result=self.tracker.on_result,
-                                                 on_rank_broken=self.recovery.stream_broke)
+                                                 on_rank_broken=self.recovery.stream_broke,
+                                                 on_rank_joined=self.core.rank_joined)
+            self.core.serve(self.server)
             self.cache_queue_port = self.server.port
             self.resources.beat()
             for rank in range(self.tp):
@@ -228,27 +232,18 @@ class CacheTransferService:
         own ``timeout`` to the ranks, which answer with 0 blocks when it passes, and the grace
         lets that answer arrive."""
         timeout = self.task_timeout if timeout is None else float(timeout)
-        refusal = self._refusal(task)
-        if refusal is not None:
-            future = TaskFuture(released=True)
-            future.set_exception(refusal)
-            return future
-        task, future, send = self.tracker.begin(task, timeout, grace)
-        if send:
-            unreachable = self.server.broadcast(task)
-            if unreachable:
-                self.tracker.unreachable(task["task_id"], unreachable)
-        return future
+        return self.core.submit(task, timeout, grace, self._refusal())  # the core's guards come next
 
-    def _refusal(self, task: dict) -> Exception | None:
-        """Why ``task`` fails at once, before it is sent, or None."""
+    def _refusal(self) -> Exception | None:
+        """Why any task fails at once, before it is sent, or None (the engine core then guards the
+        host slots a restart emptied)."""
         if self._closed or self.server is None:
             return ServiceClosed("the CTM service is not running")
         status = self.resources.kv_cache_status()
         if status != KVCacheStatus.NORMAL:
             return CachesClearedError(f"the KV caches are cleared for a weight update (kv_cache_status "
                                       f"{status.name}): restore_caches() first")
-        return self.recovery.host_slots.refusal(task)  # a swap-in from slots a restart emptied
+        return None
 
     def swap_to_cpu(self, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any = None,
                     timeout: float | None = None, layerwise: bool = False) -> Future:
