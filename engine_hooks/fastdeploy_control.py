@@ -29,7 +29,7 @@ from .errors import RankDiedError, TaskFailedError, TaskTimeoutError
 OK, BAD_REQUEST, FAILED = 200, 400, 500
 MAX_KEPT = 1000  # answered responses nobody has read yet, newest kept
 MAX_TAGS, MAX_TAG_CHARS = 16, 64
-MAX_REQUEST_ID_CHARS = 200  # the ranks' barrier is named after it, and a barrier name holds 256 characters
+MAX_REQUEST_ID_CHARS = 200  # the ranks' barrier is named after it (and a suffix), and a name holds 256 characters
 
 
 @dataclass

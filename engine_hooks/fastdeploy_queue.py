@@ -20,11 +20,13 @@ HMAC frames; never pickle).  The contract is in README.md, "Adopting from FastDe
   so is a swap-in from host slots that a rejoined CTM's new swap space no longer holds.
 * Control requests ``(CTRL, ControlRequest)`` are answered by ``get_control_response`` as soon as
   every rank answered, or one failed, died or stayed silent past ``control_timeout``
-  (``fastdeploy_control``).
+  (``fastdeploy_control``).  Each is sent under a wire id of its own (its ranks' barrier is named
+  after it), so a request id sent again never meets the barrier of an earlier request.
 """
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -102,6 +104,7 @@ class _Core:
         self._all_joined, self._closed = False, False
         self._join_deadline: float | None = None
         self._joined_ranks: dict[int, AnnouncedProcess] = {}  # rank -> the process that joined last
+        self._controls_sent = itertools.count()  # makes each control task's wire id (its barrier's name) unique
         # FastDeploy does not tell the queue its swap space's size: the ranks refuse slots outside it
         self.engine = EngineCore(num_client, None, self._joined_processes, self._pump, self._rank_gone,
                                  control_timeout=control_timeout, supervisor_name="fd-cache-queue-supervisor")
@@ -132,6 +135,9 @@ class _Core:
         call = entry.report[0] if entry.kind == "control" else None
         if call is not None:
             self.controls.expect(call.request_id)
+            # the ranks meet at a barrier named after the wire id: a request id sent again (after a
+            # failed barrier of the same name) must not meet the old one
+            wire_task["task_id"] = f"{call.request_id}@{next(self._controls_sent)}"
         with self.lock:
             wid, n = wire_task["task_id"], 1
             while wid in self.inflight:  # a cleared task under the same id may still be held by a rank
