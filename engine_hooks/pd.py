@@ -13,7 +13,8 @@
   (``transfer_factory.peer.heads``; MLA: one rank, the latent is replicated).
 - prefill side: ``expose(req_id)`` → a ``TransferHandle`` (``CacheKey(cluster, req_id)``): the
   engine keeps the request's blocks until ``retract(handle)`` (``remove_cache_key``), which it
-  calls once the puller confirmed or it gave up.  Retracting is always safe: a pull that read a
+  calls once the puller confirmed or it gave up, or its lease ends (``ttl``, 30 s by default, unless
+  ``renew``ed: a lost decode instance never pins prefill blocks).  Retracting is always safe: a pull that read a
   block after the retraction does not count it (``transfer_factory.peer.handles``).
 - decode side: ``pull_blocks(peer_id, handle, src_blocks, dst_blocks, placement, layers)`` →
   a ``TaskFuture`` like every task: its result is the destination blocks loaded on every rank,
@@ -27,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -35,9 +36,11 @@ from cache_manager.cache_data import CacheStatus
 from cache_manager.layer_progress import LayerwiseRef
 from ops.procs import ProcessWatch
 from ops.shm import SharedMemorySegment
-from transfer_factory.peer.handles import BOARD_BYTES, BOARD_WORDS, NO_GENERATION, ExposureBoard, TransferHandle
+from transfer_factory.peer.handles import (BOARD_BYTES, BOARD_WORDS, DEFAULT_TTL_S, NO_GENERATION, ExposureBoard,
+                                           TransferHandle)
 from transfer_factory.peer.heads import writers
 
+from .pd_leases import LeaseReaper
 from .pd_push import PushTarget
 from .wire_tasks import block_ids
 
@@ -54,7 +57,8 @@ def offer_for(transport: str) -> list[str]:
 
 
 class PrefillDecode:
-    def __init__(self, service: Any, instance_id: str | None = None, control_timeout: float = 30.0):
+    def __init__(self, service: Any, instance_id: str | None = None, control_timeout: float = 30.0,
+                 on_expire: Callable[[TransferHandle], None] | None = None):
         if service.server is None:
             raise RuntimeError("start the service before its prefill/decode side")
         self._svc = service
@@ -66,6 +70,7 @@ class PrefillDecode:
         # The board's generation word follows the caches' (DESIGN §3.8): an RL clear or a sleep
         # retracts every handle and stops peers' transfers from counting before the memory goes.
         self._unwatch = service.resources.watch_generation(self.board.publish_generation)
+        self._leases = LeaseReaper(self.board, on_expire, self.instance_id)  # handles expire unless renewed
         self._links: dict[str, str] = {}  # peer instance id -> transport
         self._peer_writers: dict[str, list[int]] = {}  # peer instance id -> its ranks that push into us
         # peer instance id -> its writer ranks' processes, where linked on this host (a dead one writes no more)
@@ -134,8 +139,20 @@ class PrefillDecode:
         return dict(self._links)
 
     # ------------------------------------------------------------------ prefill side
-    def expose(self, req_id: str) -> TransferHandle:
-        return self.board.expose(req_id)
+    def expose(self, req_id: str, ttl: float | None = DEFAULT_TTL_S) -> TransferHandle:
+        """Expose the request's blocks under a handle whose lease ends ``ttl`` seconds from now
+        unless renewed (None: only ``retract`` ends it); at expiry the handle is retracted and
+        ``on_expire(handle)`` tells the engine to free the blocks."""
+        handle = self.board.expose(req_id, ttl)
+        self._leases.wake()
+        return handle
+
+    def renew(self, handle: TransferHandle | dict, ttl: float | None = None) -> bool:
+        """The decode side still needs ``handle`` (it says so through the router): its lease runs
+        ``ttl`` (default: the exposed ttl) from now.  False once it was retracted or expired."""
+        if isinstance(handle, dict):
+            handle = TransferHandle.from_wire(handle)
+        return self.board.renew(handle, ttl)
 
     def retract(self, handle: TransferHandle) -> bool:
         return self.board.retract(handle)
@@ -203,6 +220,7 @@ class PrefillDecode:
         if self._closed:
             return
         self._closed = True
+        self._leases.stop()
         self._unwatch()
         self.board.publish_generation(NO_GENERATION)  # retracts every handle; peers' links count nothing more
         for peer_id in list(self._links):

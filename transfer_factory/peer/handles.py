@@ -20,6 +20,12 @@ counts nothing unless both equal the link's.  So a link outliving the memory it 
 that counts.  The engine retracts every handle before it publishes a new generation: a handle, too,
 names the memory of the generation it was exposed in.
 
+**Leases.** A handle expires ``ttl`` seconds after it was exposed or last renewed (``renew``: the
+decode side says, through the router, that it still needs it); expiry is a retraction, which is
+always safe, so a lost decode instance never pins prefill blocks for good.  ``expire_due`` retracts
+every handle past its lease, in lease order whatever order they were exposed or renewed in; the
+prefill side's reaper calls it (``engine_hooks.pd``).
+
 Reading "after the bytes" needs a fence on every architecture: ``_shm_atomic.load_after_reads`` (an
 acquire fence before the load, so the data loads are done first; x86 keeps loads in order anyway,
 aarch64 does not).  The engine's stores are release stores followed by a full fence
@@ -27,8 +33,10 @@ aarch64 does not).  The engine's stores are release stores followed by a full fe
 """
 from __future__ import annotations
 
+import math
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +51,7 @@ HEADER_WORDS = 8  # the generation word and room for more
 BOARD_WORDS = SLOTS + HEADER_WORDS
 BOARD_BYTES = BOARD_WORDS * WORD_BYTES
 NO_GENERATION = 0  # the caches are being replaced, or the board is closed: nothing counts
+DEFAULT_TTL_S = 30.0  # a handle's lease unless the decode side renews it (vLLM's prefill-block lease)
 FREE, LIVE, RETRACTED = 0, 1, 2
 MAX_HANDLE_ID = (1 << 61) - 1
 
@@ -104,8 +113,11 @@ class ExposureBoard:
         self._next_id = secrets.randbelow(1 << 40) + 1  # ids of two runs of one engine never meet
         self._free = list(range(SLOTS - 1, -1, -1))
         self._live: dict[str, TransferHandle] = {}  # req_id -> handle
+        self._leases: dict[str, tuple[float | None, float]] = {}  # req_id -> (its ttl, when it expires)
 
-    def expose(self, req_id: str) -> TransferHandle:
+    def expose(self, req_id: str, ttl: float | None = DEFAULT_TTL_S) -> TransferHandle:
+        """A LIVE handle for ``req_id`` whose lease runs ``ttl`` seconds (None: until retracted)."""
+        _check_ttl(ttl)
         with self._lock:
             if req_id in self._live:
                 raise ValueError(f"request {req_id!r} already has a live handle")
@@ -114,20 +126,54 @@ class ExposureBoard:
             slot = self._free.pop()
             handle = TransferHandle(self.instance_id, req_id, slot, self._next_id)
             self._next_id = self._next_id % MAX_HANDLE_ID + 1
-            _shm_atomic.store_release(self.words, slot, word(handle.handle_id, LIVE))
+            _shm_atomic.store_fenced(self.words, slot, word(handle.handle_id, LIVE))
             self._live[req_id] = handle
+            self._leases[req_id] = (ttl, math.inf if ttl is None else time.monotonic() + ttl)
             return handle
 
     def retract(self, handle: TransferHandle) -> bool:
         """Mark ``handle`` retracted; from now on no puller counts a block it reads under it, so the
         engine may reuse the blocks at once.  False if it was not live."""
         with self._lock:
+            return self._retract(handle)
+
+    def _retract(self, handle: TransferHandle) -> bool:
+        if self._live.get(handle.req_id) != handle:
+            return False
+        _shm_atomic.store_fenced(self.words, handle.slot, word(handle.handle_id, RETRACTED))
+        del self._live[handle.req_id]
+        del self._leases[handle.req_id]
+        self._free.insert(0, handle.slot)  # reused last: a late reader sees RETRACTED longest
+        return True
+
+    def renew(self, handle: TransferHandle, ttl: float | None = None) -> bool:
+        """Extend ``handle``'s lease by ``ttl`` seconds from now (default: the ttl it was exposed
+        with).  False if it is no longer live (retracted or expired): then nothing read under it
+        counts, and the decode side must not use what it pulled."""
+        _check_ttl(ttl)
+        with self._lock:
             if self._live.get(handle.req_id) != handle:
                 return False
-            _shm_atomic.store_fenced(self.words, handle.slot, word(handle.handle_id, RETRACTED))
-            del self._live[handle.req_id]
-            self._free.insert(0, handle.slot)  # reused last: a late reader sees RETRACTED longest
+            exposed_ttl, _ = self._leases[handle.req_id]
+            ttl = exposed_ttl if ttl is None else ttl
+            self._leases[handle.req_id] = (exposed_ttl, math.inf if ttl is None else time.monotonic() + ttl)
             return True
+
+    def expire_due(self, now: float | None = None) -> list[TransferHandle]:
+        """Retract every handle whose lease ended by ``now``, soonest first; returns them."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            due = sorted((until, req) for req, (_, until) in self._leases.items() if until <= now)
+            expired = [self._live[req] for _, req in due]
+            for handle in expired:
+                self._retract(handle)
+            return expired
+
+    def next_expiry(self) -> float | None:
+        """When the soonest lease ends (``time.monotonic()``), or None if none will."""
+        with self._lock:
+            soonest = min((until for _, until in self._leases.values()), default=math.inf)
+        return None if soonest == math.inf else soonest
 
     @property
     def generation(self) -> int:
@@ -149,3 +195,8 @@ class ExposureBoard:
         for handle in self.live():
             count += self.retract(handle)
         return count
+
+
+def _check_ttl(ttl: float | None) -> None:
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < 1e7):
+        raise ValueError(f"ttl {ttl!r} must be None or a positive number of seconds")
