@@ -30,7 +30,8 @@ from typing import Mapping
 
 import numpy as np
 
-from ops.shm import SHM_DIR, SharedMemorySegment
+from ops import shm
+from ops.shm import SharedMemorySegment
 
 logger = logging.getLogger(__name__)
 
@@ -94,19 +95,15 @@ def signal_segment_names(name: str, suffix: object | None) -> tuple[str, ...]:
 
 def segment_identity(segment_name: str) -> tuple[int, int] | None:
     """(device, inode) of the segment now under ``segment_name``, or None if there is none."""
-    try:
-        info = os.lstat(os.path.join(SHM_DIR, segment_name))
-    except OSError:
-        return None
-    return info.st_dev, info.st_ino
+    return shm.segment_identity(segment_name)
 
 
 def unlink_if_same(segment_name: str, identity: tuple[int, int] | None) -> bool:
     """Unlink ``segment_name`` if it is ours and still the segment ``identity`` names (or, for None, any
     segment of ours): an engine restarted on the same port has new segments, which stay."""
-    if identity is not None and segment_identity(segment_name) != identity:
-        return False
-    return SharedMemorySegment.unlink_name(segment_name)
+    if identity is None:
+        return SharedMemorySegment.unlink_name(segment_name)
+    return shm.unlink_if_same(segment_name, identity)
 
 
 class IPCSignal:
@@ -146,7 +143,7 @@ class IPCSignal:
         if create:
             self.value[:] = template
         # which segment this is, so that only it (never a successor under the name) is removed later
-        self.identity = segment_identity(self.segment_name)
+        self.identity = self._segment.identity
 
     @staticmethod
     def _attach(names: tuple[str, ...]) -> SharedMemorySegment:

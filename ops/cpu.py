@@ -79,6 +79,7 @@ class CpuPlatform(Platform):
         self._device: dict[int, _DeviceAllocation] = {}  # data_ptr -> allocation
         self._lock = threading.Lock()
         self._counter = itertools.count()
+        self._attached: dict[str, tuple[int, int]] = {}  # name -> identity of each segment attached here
 
     # -- names -------------------------------------------------------------
     def segment_name(self, name: str) -> str:
@@ -177,6 +178,7 @@ class CpuPlatform(Platform):
             raw = bytes(handle.buf[: _HANDLE.size])
         finally:
             handle.close()
+        self._note_attached(handle)
         magic, version, seg, offset, nbytes, dtype = _HANDLE.unpack(raw)
         if magic != _HANDLE_MAGIC or version != _HANDLE_VERSION:
             raise ValueError(f"segment {self.segment_name(name)} is not a cache IPC handle")
@@ -194,6 +196,7 @@ class CpuPlatform(Platform):
                 f"cache {name!r} holds {nbytes} bytes; shape {shape} of {dt.name} needs {want} bytes"
             )
         segment = SharedMemorySegment(data_name)
+        self._note_attached(segment)
         if offset + nbytes > segment.size:
             segment.close()
             raise ValueError(f"cache {name!r}: handle points past the end of {data_name}")
@@ -201,6 +204,15 @@ class CpuPlatform(Platform):
         with self._lock:
             self._device[int(attached.data_ptr())] = _DeviceAllocation(segment, owned=False)
         return attached
+
+    def _note_attached(self, segment: SharedMemorySegment) -> None:
+        with self._lock:
+            self._attached[segment.name] = segment.identity
+
+    def attached_segments(self) -> dict[str, tuple[int, int]]:
+        """Every segment attached here (IPC handles and the caches' memory), with the file attached."""
+        with self._lock:
+            return dict(self._attached)
 
     def unset_data_ipc(self, tensor: Any, name: str, close_ipc: bool = True, unlink_shm: bool = False) -> None:
         if unlink_shm:

@@ -20,6 +20,9 @@ Primitives and their contracts (names as in FastDeploy, so engine code ports unc
     match the export raises ``ValueError``.
 ``unset_data_ipc(tensor, name, close_ipc=True, unlink_shm=False)``
     Close an attachment; with ``unlink_shm`` also withdraw the export (exporter only).
+``remove_orphans()`` / ``remove_attached()``
+    Clean-up once the engine is gone: the creator's by its instance prefix; an attaching
+    process's only of what it attached, by identity.
 ``host_alloc(nbytes) -> int`` / ``host_free(ptr)``
     Page-aligned host memory for swap space and staging buffers (FastDeploy's
     ``cuda_host_alloc``/``cuda_host_free`` are aliases).  Freeing an unknown pointer
@@ -45,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from .layout import CopyPlan, HostAllocations, all_layers_plan, layout_plan
 from .modes import DEVICE_TO_HOST, HOST_TO_DEVICE, BlockIds
+from .shm import sweep_orphans, unlink_if_same, unlink_segments
 
 if TYPE_CHECKING:
     import numpy as np
@@ -90,11 +94,28 @@ class Platform(ABC):
         """Overwrite a device cache with ``data``, exactly its size in bytes."""
 
     def remove_orphans(self) -> list[str]:
-        """Remove what a dead engine exported through this platform (its IPC handles and, where
-        the memory itself is shared memory, the memory); the names removed.  Idempotent."""
-        from .shm import unlink_segments
-
+        """The creator's own clean-up: remove every name under this instance's prefix (its IPC handles
+        and, where the memory itself is shared memory, the memory); the names removed.  Idempotent.
+        Only the engine that created the names may call it: a process that attached removes what it
+        attached, by identity (``remove_attached``)."""
         return unlink_segments(self.segment_prefix) if self.segment_prefix else []
+
+    def attached_segments(self) -> dict[str, tuple[int, int]]:
+        """Every shared-memory name this process attached through the platform, with the identity
+        (device, inode) of the file it attached ({} where attaching maps no named segment)."""
+        return {}
+
+    def remove_attached(self) -> list[str]:
+        """Once the engine is gone: unlink each segment this process attached (``attached_segments``),
+        only while its name still holds the file attached; a later engine's segment under the name
+        stays.  The names removed."""
+        return [name for name, identity in self.attached_segments().items() if unlink_if_same(name, identity)]
+
+    def sweep_orphans(self) -> list[str]:
+        """Remove what processes that are provably gone created in /dev/shm and left (``ops.shm.sweep_orphans``:
+        by each creator's record, by identity, only our uid's): an instance killed whole, engine and CTMs
+        at once, leaves its caches, handles and signals for the next start to sweep.  The names removed."""
+        return sweep_orphans()
 
     @abstractmethod
     def set_device(self, device_id: int) -> None: ...

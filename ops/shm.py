@@ -4,6 +4,11 @@
 resource tracker, which unlinks it when *any* attaching process exits: the
 engine's caches and signals would vanish when a CTM dies.  Here only the
 creator's explicit ``unlink()`` removes a name.
+
+Clean-up goes by identity, never by name alone: a segment knows the file it opened
+(``identity``, device and inode), ``unlink_if_same`` removes a name only while it is still
+that file, and every process lists what it creates in its creator record (``shm_ledger``), so
+``sweep_orphans`` removes what a process killed outright left, once that process is provably gone.
 """
 from __future__ import annotations
 
@@ -14,10 +19,14 @@ import os
 import re
 import stat
 
+from .shm_ledger import CREATOR_PREFIX, MAX_RECORD_BYTES, CreationLedger, Creator, Identity, parse_record
+
 SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 logger = logging.getLogger(__name__)
+_LEDGER = CreationLedger(SHM_DIR)  # this process's creator record
+MAX_SWEPT_RECORDS = 256  # creator records one sweep reads (the rest wait for the next)
 
 
 def shm_path(name: str) -> str:
@@ -48,10 +57,12 @@ class SharedMemorySegment:
                 raise FileExistsError(errno.EEXIST, _exists_message(name, self.path), self.path) from None
             try:
                 os.ftruncate(fd, size)
+                info = os.fstat(fd)
             except BaseException:
                 os.close(fd)
                 os.unlink(self.path)
                 raise
+            _LEDGER.created(name, (info.st_dev, info.st_ino))
         else:
             fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
             info = os.fstat(fd)
@@ -70,6 +81,7 @@ class SharedMemorySegment:
         finally:
             os.close(fd)
         self.size = size
+        self.identity: Identity = (info.st_dev, info.st_ino)  # the file opened, whatever the name holds later
 
     @property
     def buf(self) -> mmap.mmap:
@@ -147,11 +159,83 @@ def _unlink_ours(path: str) -> bool:
         return False
     try:
         os.unlink(path)
-        return True
     except FileNotFoundError:
         return False
+    _LEDGER.removed(os.path.basename(path))
+    return True
 
 
 def unlink_segments(prefix: str) -> list[str]:
     """Unlink every segment of ours (``owned_by_us``) whose name starts with ``prefix``; the names removed."""
     return [name for name in list_segments(prefix) if _unlink_ours(os.path.join(SHM_DIR, name))]
+
+
+def segment_identity(name: str) -> Identity | None:
+    """(device, inode) of the file now under ``name`` in /dev/shm (not following a symlink); None if none."""
+    try:
+        info = os.lstat(shm_path(name))
+    except (OSError, ValueError):
+        return None
+    return info.st_dev, info.st_ino
+
+
+def unlink_if_same(name: str, identity: Identity) -> bool:
+    """Unlink ``name`` if it is ours (``owned_by_us``) and still the file ``identity`` names: a segment
+    made later under the same name (an engine restarted on its port) stays.  True if it was removed."""
+    if segment_identity(name) != identity:
+        return False
+    return _unlink_ours(shm_path(name))
+
+
+def _read_record(path: str) -> tuple[Identity, str] | None:
+    """The identity and text of a creator record that is a regular file of ours; None for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            logger.debug("leaving %s: not a regular file of uid %d (another user's, or not a record)", path,
+                         os.geteuid())
+            return None
+        return (info.st_dev, info.st_ino), os.read(fd, MAX_RECORD_BYTES).decode(errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def sweep_orphans(limit: int = MAX_SWEPT_RECORDS) -> list[str]:
+    """Remove what processes that are provably gone created here and left (a whole engine instance
+    SIGKILLed with its CTMs, say); the names removed.
+
+    Reads the creator records (``shm_ledger``) of our uid, at most ``limit`` of them; for each whose
+    process is gone (its pid free, a zombie, or held by a later process; another boot) unlinks every
+    listed name that is still the file it created and a regular file of ours, then the record.  A live
+    process's names, another uid's, symlinks and names that were replaced since are never touched; so is
+    anything of a process in another pid namespace, which cannot be told from here."""
+    removed: list[str] = []
+    gone, me = 0, Creator.this_process()
+    for record in list_segments(CREATOR_PREFIX)[:limit]:
+        path = os.path.join(SHM_DIR, record)
+        read = _read_record(path)
+        parsed = parse_record(read[1]) if read is not None else None
+        if parsed is None:
+            continue
+        creator, entries = parsed
+        verdict = creator.gone(me)
+        if not verdict:
+            if verdict is None:
+                logger.debug("leaving %s: process %d is in another pid namespace", record, creator.pid)
+            continue
+        gone += 1
+        for name, identity in entries:
+            if unlink_if_same(name, identity):
+                removed.append(name)
+        if segment_identity(record) == read[0]:
+            _unlink_ours(path)
+    if removed:
+        logger.warning("swept %d segments left by %d processes that are gone: %s%s", len(removed), gone,
+                       removed[:8], " ..." if len(removed) > 8 else "")
+    return removed
