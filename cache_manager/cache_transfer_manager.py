@@ -337,11 +337,11 @@ class CacheTransferManager:
         self.layer_board.close()
 
     def _remove_orphans(self) -> None:
-        """The engine died without cleaning up: remove what it left (``remove_engine_leftovers``).
-        Attached processes never unlink while the engine lives."""
-        remove_engine_leftovers(PER_RANK_SIGNALS + (WORKER_HEALTHY_LIVE_SIGNAL, KV_CACHE_STATUS_SIGNAL,
-                                                    LAYER_PROGRESS_SIGNAL),
-                                self.ipc_suffix, self.signals.get, self.platform.remove_orphans, self.log)
+        """The engine died without cleaning up: remove what it left (``remove_engine_leftovers``: what this
+        CTM attached, by identity, and what provably dead processes created).  Attached processes never
+        unlink while the engine lives."""
+        names = PER_RANK_SIGNALS + (WORKER_HEALTHY_LIVE_SIGNAL, KV_CACHE_STATUS_SIGNAL, LAYER_PROGRESS_SIGNAL)
+        remove_engine_leftovers([self.signals.get(name) for name in names], self.platform, self.log)
 
 
 def main(argv: list[str] | None = None) -> int:

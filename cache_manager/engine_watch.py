@@ -19,11 +19,12 @@ import logging
 import os
 import shutil
 import time
-from typing import Callable, Mapping
+from typing import Iterable, Mapping
 
+from ops.platform import Platform
 from ops.procs import ProcessWatch
 
-from cache_manager.ipc_signal import IPCSignal, signal_segment_names, unlink_if_same
+from cache_manager.ipc_signal import IPCSignal, unlink_if_same
 from cache_manager.queue.unix_address import private_dir_problem
 from cache_manager.queue.wire import SECRET_ENV, SECRET_FILE_ENV
 
@@ -114,33 +115,27 @@ class EngineWatch:
             self._beat_stale_logged = True
 
 
-# The signals a CTM knows of its engine besides those it attaches: FastDeploy's PrefixCacheManager's
-# (the engine's ``prefix_tree_status``; its own pause, in-flight and broadcast flags).
-ENGINE_CACHE_SIGNALS = ("prefix_tree_status", "cache_task_broadcast_signal", "cache_task_is_paused",
-                        "cache_task_inflight")
 QUEUE_DIR_PREFIX = "ctm-queue-"  # ``engine_hooks.queue_secret.SecretFile``'s directories
 
 
-def remove_engine_leftovers(names: tuple[str, ...], suffix: object, attached: Callable[[str], IPCSignal | None],
-                            remove_platform: Callable[[], list[str]], log: logging.Logger,
+def remove_engine_leftovers(signals: Iterable[IPCSignal | None], platform: Platform, log: logging.Logger,
                             environ: Mapping[str, str] | None = None) -> None:
-    """The engine is gone without cleaning up, and nobody else can: unlink its segments.
+    """The engine is gone without cleaning up: remove what it left, by identity, never by name alone.
 
-    The platform's (``remove_platform``), every name of each signal in ``names`` and
-    ``ENGINE_CACHE_SIGNALS`` (ours and FastDeploy's, ``signal_segment_names``; an attached one only
-    while it is still the segment attached, so an engine restarted on the same port keeps its new
-    ones), and the queue's private directory (secret file, Unix socket) the CTM was handed.  Only
-    our own uid's files go; every rank may run this at once (each step is idempotent)."""
-    removed = remove_platform()
-    signals = 0
-    for name in names + ENGINE_CACHE_SIGNALS:
-        sig = attached(name)
-        for segment in signal_segment_names(name, suffix):
-            known = sig.identity if sig is not None and sig.segment_name == segment else None
-            signals += unlink_if_same(segment, known)
+    What this CTM attached (the platform's segments, ``Platform.remove_attached``, and ``signals``), each
+    only while its name still holds the file attached: an engine restarted on the same port keeps its
+    new segments.  Then what processes that are provably gone created and left, the engine among them
+    (``Platform.sweep_orphans``: their creator records; names of the engine this CTM did not attach, its
+    other ranks' caches and its other signals, go that way).  And the queue's private directory (secret
+    file, Unix socket) the CTM was handed.  Only our own uid's files go; every rank may run this at
+    once (each step is idempotent)."""
+    removed = platform.remove_attached()
+    count = sum(unlink_if_same(sig.segment_name, sig.identity) for sig in signals if sig is not None)
+    swept = platform.sweep_orphans()
     env = os.environ if environ is None else environ
     secret_file = None if env.get(SECRET_ENV) else env.get(SECRET_FILE_ENV)  # only the file our secret came from
     directory = os.path.dirname(os.path.abspath(secret_file)) if secret_file else None
     if directory and os.path.basename(directory).startswith(QUEUE_DIR_PREFIX) and private_dir_problem(directory) is None:
         shutil.rmtree(directory, ignore_errors=True)
-    log.warning("engine gone: removed its %d cache segments and %d signals", len(removed), signals)
+    log.warning("engine gone: removed the %d cache segments and %d signals attached here that were still its own, "
+                "and swept %d segments of processes that are gone", len(removed), count, len(swept))
