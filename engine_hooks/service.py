@@ -174,6 +174,8 @@ class CacheTransferService:
         self._started = True
         atexit.register(self.shutdown)
         try:
+            # what instances killed whole (engine and CTMs at once) left: only provably dead creators' names
+            self.platform.sweep_orphans()
             self.layerwise = LayerwiseTasks(self.tp, suffix=self.instance)
             self.resources.create()
             self.server = EngineCacheQueueServer(self.tp, self._secret, host=self.pod_ip, port=self.cache_queue_port,
