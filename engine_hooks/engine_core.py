@@ -12,7 +12,8 @@ their callers' calls into it.  What it holds, so that a guard written here holds
   sent, naming the rank and the slots), then tracking, the broadcast, and the ranks it did not reach;
 * what happens when a rank goes down (``rank_down``: the queue forgets it, its tasks fail and its
   blocks are released) and when a new process of it joins (``rank_joined``: its swap space is new,
-  so the slots written before are lost on it) and serves (``rank_up``);
+  so the slots written before are lost on it) and serves (``rank_up``); a FastDeploy sleep that
+  freed the ranks' swap space (``swap_freed``) loses the slots the same way;
 * FastDeploy's pause (``ctrl_pause`` .. ``ctrl_resume``): a rank's pause lives in its process, so a
   rank whose process was replaced during a pause would start unpaused and run what the others hold.
   The core remembers the pause and which ranks' current processes heard it; before anything else
@@ -42,7 +43,7 @@ from .task_tracker import TaskTracker
 
 logger = logging.getLogger(__name__)
 
-PAUSE, RESUME = CONTROL_COMMAND_PREFIX + "pause", CONTROL_COMMAND_PREFIX + "resume"
+PAUSE, RESUME, SLEEP = (CONTROL_COMMAND_PREFIX + m for m in ("pause", "resume", "sleep"))
 REPAUSE_PREFIX = "~repause-"  # the task ids of the core's own re-pauses (no engine id starts so)
 
 
@@ -111,9 +112,25 @@ class EngineCore:
         if refusal is not None:
             return failed_future(refusal)
         task, future, send = self.tracker.begin(task, timeout, grace)
+        if send and task.get("event_type") == CacheStatus.CTRL and task.get("command") == SLEEP:
+            future.add_done_callback(self._slept)
         if send:
             self._send(task)
         return future
+
+    def _slept(self, future: Future) -> None:
+        """A FastDeploy sleep answered: the ranks that freed their swap space (``swap_freed``, under
+        ``FD_ENABLE_SWAP_SPACE_CLEARING``) get a new one at the wakeup, so the slots written before are
+        lost on them; so on those that did not answer, when any did."""
+        results = future.rank_results
+        freed = [r for r, res in results.items() if res.ok and isinstance(res.value, dict) and res.value.get("swap_freed")]
+        if not freed:
+            return
+        unknown = [r for r in range(self.tp) if r not in results or not results[r].ok]
+        logger.warning("the sleep freed the swap space of rank(s) %s%s: host slots written before are lost",
+                       freed, f" (and maybe of {unknown}, which failed it)" if unknown else "")
+        for rank in freed + unknown:
+            self.host_slots.rank_restarted(rank)
 
     def _send(self, task: dict) -> None:
         with self._send_lock:

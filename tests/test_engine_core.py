@@ -1,13 +1,18 @@
 """The engine core both front doors share (``engine_hooks.engine_core``): a CTM relaunched during a
-FastDeploy pause is paused again before anything reaches it, so it never runs what the other ranks hold.
+FastDeploy pause (by FastDeploy, or restarted by the service) is paused again before anything reaches
+it, so it never runs what the other ranks hold.
 
 Before: a rank's pause lived only in its process; a CTM relaunched during a pause started unpaused, and
 a swap-in put during the pause ran at once on it (its device block zeroed while the others held it)."""
+import os
+import signal
+
 import numpy as np
 
 from cache_manager.cache_data import CacheStatus
 from tests.fastdeploy_engine import FastDeployEngine
-from tests.rank_stream_helpers import wait_for
+from tests.rank_stream_helpers import restarted, wait_for
+from tests.service_helpers import block_bytes, fill_distinct, start_service
 
 
 def ok(response) -> list:
@@ -39,3 +44,25 @@ def test_a_ctm_relaunched_during_a_pause_holds_tasks_like_the_others_until_the_r
         assert engine.queue.failed_tasks() == {}
     finally:
         assert engine.close() == []
+
+
+def test_a_service_rank_restarted_during_a_pause_is_paused_again_too():
+    svc = start_service()
+    try:
+        fill_distinct(svc, seed=72)
+        svc.control("ctrl_pause").result(timeout=10)
+        victim = svc.pids()[1]
+        os.kill(victim, signal.SIGKILL)  # the service restarts it
+        assert restarted(svc, 1, victim, 15), "rank 1 was not restarted"
+        before = block_bytes(svc, [9])
+        held = svc.swap_to_gpu([9], [6])  # slot 6 was never written: let through, held by the pause
+        assert not wait_for(held.done, 1.0), "a task sent during the pause completed"
+        assert same(before, block_bytes(svc, [9])) == [], "a task sent during the pause ran on the restarted rank"
+        svc.control("ctrl_resume").result(timeout=10)
+        assert held.result(timeout=10)[0] == CacheStatus.SWAP2GPU
+    finally:
+        svc.shutdown()
+
+
+def same(a: dict, b: dict) -> list:
+    return [k for k in a if not np.array_equal(a[k], b[k])]

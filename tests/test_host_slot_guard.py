@@ -82,3 +82,30 @@ def test_a_facade_swap_in_after_a_ctm_rejoined_is_never_reported_done_with_wrong
         assert all(np.array_equal(v[9], v[3]) for v in engine.views().values())
     finally:
         assert engine.close() == []
+
+
+def test_a_facade_swap_in_after_a_sleep_that_freed_the_swap_space_is_refused_naming_the_slots():
+    engine = FastDeployEngine(tp=2, fastdeploy_signals=True, task_timeout=10.0, control_timeout=10.0)
+    try:
+        for rank in range(2):  # FastDeploy's FD_ENABLE_SWAP_SPACE_CLEARING: a sleep frees the swap space too
+            engine.launch(rank, env={"FD_ENABLE_SWAP_SPACE_CLEARING": "1"})
+        engine.wait_ready([0, 1], 20)
+        engine.fill(seed=64)
+        engine.queue.put_transfer_task((CacheStatus.SWAP2CPU, "out", [1], [3], [5]))
+        assert engine.signals_for(1) == [(CacheStatus.SWAP2CPU, "out", [1], [3], [5])]
+        slept = engine.control("sleep", {"tags": "weight,kv_cache"})
+        assert slept.error_code == 200 and all(r["swap_freed"] for r in slept.result), slept
+        engine.free_caches()
+        engine.queue.put_transfer_task((CacheStatus.CTRL, {"request_id": "wake", "method": "wakeup", "args": {}}))
+        engine.recreate_caches(seed=65)
+        assert engine.queue.get_control_response("wake", 20).error_code == 200
+        before = {k: v.copy() for k, v in engine.views().items()}
+        engine.queue.put_transfer_task((CacheStatus.SWAP2GPU, "in", [1], [9], [5]))
+        assert wait_for(lambda: "in" in engine.queue.failed_tasks(), 10), "the swap-in neither failed nor was refused"
+        assert "host slots [5]" in engine.queue.failed_tasks()["in"]
+        time.sleep(0.2)
+        assert engine.queue.get_transfer_done_signal() is None, "a refused swap-in was reported done"
+        changed = [k for k, v in engine.views().items() if not np.array_equal(v, before[k])]
+        assert changed == [], f"a refused swap-in moved bytes: {changed}"
+    finally:
+        assert engine.close() == []
