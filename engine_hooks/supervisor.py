@@ -1,12 +1,12 @@
 """The engine's one supervisor thread: deadlines, rank deaths and the heartbeat.
 
-The service and FastDeploy's queue façade each run one.  It sleeps until a rank's process dies
-(a pidfd per rank), the soonest deadline of a pending task, the next heartbeat, or the bell: a
-submission with a sooner deadline, a restarted or newly joined rank, or stop.  It does not poll
-(it did, every 50 ms, taking the GIL from the engine's threads); while a live rank has no pidfd
-(none on this kernel) it looks every ``TICK``.  An exception in one of its iterations is logged
-and counted (``errors``), and it carries on: deadlines and the heartbeat must outlive one bad
-iteration.  Its owner stops it (``stop``), which also closes its bell and pidfds.
+The engine core (``engine_core``), the service's or FastDeploy's queue façade's, runs one.  It
+sleeps until a rank's process dies (a pidfd per rank), the soonest deadline of a pending task, the
+next heartbeat, or the bell: a submission with a sooner deadline, a restarted or newly joined rank,
+or stop.  It does not poll (it did, every 50 ms, taking the GIL from the engine's threads); while a
+live rank has no pidfd (none on this kernel) it looks every ``TICK``.  An exception in one of its
+iterations is logged and counted (``errors``), and it carries on: deadlines and the heartbeat must
+outlive one bad iteration.  Its owner stops it (``stop``), which also closes its bell and pidfds.
 """
 from __future__ import annotations
 
