@@ -51,8 +51,8 @@ from cache_manager.cache_data import (
     CONTROL_COMMAND_PREFIX,
     CacheStatus,
 )
-from cache_manager.rank.peer_links import PeerLinks, peer_command
-from cache_manager.rank.peer_transfers import PeerTransfers
+from cache_manager.rank.peer.links import PeerLinks, peer_command
+from cache_manager.rank.peer.transfers import STUCK_TRANSFER_EXIT, PeerTransfers
 from cache_manager.cache_tasks import (ControlTask, PullTask, PushTask, Outcome, RankResult, ReadStorageTask, SwapTask, TaskFormatError, task_deadline,
                           task_from_wire)
 from cache_manager.ctm_flags import NPU_COPY_ENGINE_DEFAULT, parse_args, spec_from_args
@@ -149,12 +149,19 @@ class CacheTransferManager:
                                           self.log, self.stop_event, a.rl_barrier_timeout)
         self.peers = PeerLinks(self.rank, a.mp_num, a.splitwise_role, self.spec, self.resources, self.platform,
                                a.pod_ip, self.log)
-        self.transfers = PeerTransfers(self.peers, self.resources, self.platform, self.log)
+        self.transfers = PeerTransfers(self.peers, self.resources, self.log, on_stuck=self._transfer_stuck)
         self.control = RankControl(self.resources, self.scheduler, self.signals, self.queue, self.rank, a.mp_num,
                                    a.model_path, self.log, self.stop_event,
                                    lambda command, args: peer_command(self.peers, command, args, self.rank))
         self.signals[CACHE_TRANSFER_INITED_SIGNAL].value[self.rank] = 1
         self.log.info("ready: rank %d of %d, pid %d", self.rank, a.mp_num, os.getpid())
+
+    def _transfer_stuck(self, why: str) -> None:
+        """A peer transfer's bytes may still land long past its deadline: only this process's end
+        stops them.  Exit at once (no memory unregistered under them); the engine restarts the rank."""
+        self.log.critical("exiting with status %d: %s; the engine restarts this rank", STUCK_TRANSFER_EXIT, why)
+        logging.shutdown()
+        os._exit(STUCK_TRANSFER_EXIT)
 
     # -- liveness ---------------------------------------------------------------
     def _attach_heartbeat(self) -> None:

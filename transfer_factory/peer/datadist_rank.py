@@ -1,5 +1,5 @@
 """A CTM rank's LLM-DataDist endpoint (``datadist.DataDistEndpoint``), opened from the rank's own
-caches when a peer asks for the ``datadist`` transport (``cache_manager.rank.peer_links``).
+caches when a peer asks for the ``datadist`` transport (``cache_manager.rank.peer.datadist``).
 
 Offered by capability: the rank's device memory is Ascend NPU memory (the ``npu`` platform) and
 CANN's ``llm_datadist`` can be imported.  It opens once, at the first descriptor that offers it

@@ -1,0 +1,184 @@
+"""The cross-host channel: the Mooncake Transfer Engine (``transfer_factory.peer.te``).
+
+This rank's endpoint opens at the first descriptor that offers ``mooncake``.  What peers reach
+through it is registered then and kept in step with the memory: the caches and swap space as
+attached now (re-registered before the next transfer after a re-attach, unregistered *before* the
+memory is freed: ``memory_released``), the scratch words board words move through, and the boards
+the latest descriptor names (a new prefill/decode side's board replaces the old one, which is
+unregistered: a peer still linked to it fails, it is never served the new memory).
+
+Every route's runs of a transfer are in flight together.  Board words move one at a time per peer
+address, each through its own scratch word; a word transfer that outlives its deadline keeps its
+scratch word for good (``ScratchWords``), so a late word never lands in a newer one's.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from ops.shm import SharedMemorySegment, segment_identity
+from transfer_factory.peer import PeerDescriptor
+from transfer_factory.peer.te import Inflight, ScratchWords, TransferEngineEndpoint, block_addresses, coalesce
+
+from cache_manager.rank.peer.channel import Boards, InstanceLink, PeerChannel, PeerError, PeerLink, Route, Sides
+from cache_manager.rank.resources import RankResources
+
+
+class TePeer:
+    """A peer rank's memory as its Transfer Engine offers it."""
+
+    def __init__(self, params: dict, kinds: dict[str, int], num_layers: int, name: str):
+        self.address = str(params["address"])
+        bases: dict[str, list[int]] = {}
+        capacity = None
+        for kind, layer, ptr, nbytes in params["regions"]:
+            if kind not in kinds or not 0 <= layer < num_layers or nbytes % kinds[kind]:
+                raise PeerError(f"{name}: Transfer Engine region {kind!r} layer {layer} does not fit this layout")
+            bases.setdefault(kind, [0] * num_layers)[layer] = int(ptr)
+            capacity = nbytes // kinds[kind] if capacity is None else min(capacity, nbytes // kinds[kind])
+        if set(bases) != set(kinds) or any(0 in v for v in bases.values()):
+            raise PeerError(f"{name}: Transfer Engine regions do not cover every kind and layer")
+        self.bases = {k: np.asarray(v, dtype=np.int64) for k, v in bases.items()}
+        self.capacity = capacity or 0  # the fewest blocks of any of the peer's layers
+        self.board = int(params["board"])
+        self.layer_board = int(params["layer_board"])
+
+
+class TransferEngineChannel(PeerChannel):
+    name = "mooncake"
+
+    def __init__(self, resources: RankResources, hostname: str, log: logging.Logger):
+        self._resources = resources
+        self._log = log
+        self.te = TransferEngineEndpoint(hostname, "tcp", log)
+        self._scratch = ScratchWords()  # where board words land, one per word in flight
+        self._boards: dict[tuple, SharedMemorySegment] = {}  # (segment, its file identity) -> our mapping
+        self._memory: dict[int, int] = {}  # this rank's caches and swap space registered: address -> bytes
+        self._memory_generation = -1  # the ``memory_generation`` they were registered for
+        self._lock = threading.Lock()
+        self._word_locks: dict[str, threading.Lock] = {}  # per peer address: one word transfer at a time
+
+    # ------------------------------------------------------------------ registration
+    def describe(self, boards: Boards) -> dict:
+        address = self.te.open()
+        with self._lock:
+            if not self._boards:
+                self.te.register(self._scratch.address, self._scratch.words.nbytes)
+            self._sync_memory()
+            mapped: dict[tuple, SharedMemorySegment] = {}
+            for region in (boards.board, boards.layer_board):
+                key = (region.segment, segment_identity(region.segment))  # a new side may reuse the name
+                segment = self._boards.get(key) or SharedMemorySegment(region.segment)
+                if key not in self._boards:
+                    self.te.register(_address(segment), segment.size)
+                mapped[key] = segment
+            for key, segment in self._boards.items():
+                if key not in mapped:
+                    self.te.unregister(_address(segment))
+                    segment.close()
+            self._boards = mapped
+            board, layer_board = (_address(segment) for segment in mapped.values())
+            regions = [[g.kind, layer, int(t.data_ptr()), int(np.prod(t.shape)) * t.element_size()]
+                       for g in self._resources.groups for layer, t in enumerate(g.tensors)]
+        return {"address": address, "regions": regions, "board": board, "layer_board": layer_board}
+
+    def _sync_memory(self) -> None:
+        wanted = {}
+        for g in self._resources.groups:
+            for t in g.tensors:
+                wanted[int(t.data_ptr())] = int(np.prod(t.shape)) * t.element_size()
+            for ptr in g.host_ptrs:
+                wanted[int(ptr)] = int(g.swap_plan.host.capacities[0]) * g.swap_plan.host.stride
+        for address in [a for a in self._memory if self._memory[a] != wanted.get(a)]:
+            self.te.unregister(address)
+            del self._memory[address]
+        for address, nbytes in wanted.items():
+            if address not in self._memory:
+                self.te.register(address, nbytes)
+                self._memory[address] = nbytes
+        self._memory_generation = self._resources.memory_generation
+
+    def memory_released(self) -> None:
+        if not self.te.is_open:
+            return
+        with self._lock:
+            for address in list(self._memory):
+                self.te.unregister(address)
+            self._memory.clear()
+            self._memory_generation = -1
+
+    # ------------------------------------------------------------------ links and transfers
+    def open(self, peer: PeerDescriptor, kinds: dict[str, int], name: str) -> TePeer:
+        state = TePeer(peer.transports["mooncake"], kinds, self._resources.num_layers, name)
+        if not self.te.is_open:
+            raise PeerError(f"{name}: this rank's Transfer Engine is not open (describe with mooncake first)")
+        return state
+
+    def move(self, link: InstanceLink, routes: list[Route], sides: Sides, pull: bool, local_ids: list[int],
+             remote_ids: list[int], layers: range, placement: str, deadline: float) -> tuple[int, Inflight | None]:
+        """One transfer with the routes' peer ranks, all at once, of each route's head range of
+        every kind's ``layers``, adjacent ranges coalesced."""
+        for _, local in sides:
+            _check_ids(local_ids, int(local.capacities.min()), "destination" if pull else "source")
+        jobs = []
+        for route in routes:
+            peer: TePeer = route.peer.state
+            _check_ids(remote_ids, peer.capacity, "source" if pull else "destination")
+            local_addrs: list[int] = []
+            remote_addrs: list[int] = []
+            lengths: list[int] = []
+            for kind, local in sides:
+                peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
+                runs = coalesce(block_addresses(local.bases + local_off, local.stride, local_ids, layers),
+                                block_addresses(peer.bases[kind] + peer_off, route.peer.kind_bytes[kind], remote_ids,
+                                                layers), nbytes)
+                local_addrs += runs[0]
+                remote_addrs += runs[1]
+                lengths += runs[2]
+            jobs.append((route.peer.name, peer.address, local_addrs, remote_addrs, lengths))
+        if self._memory_generation != self._resources.memory_generation:  # re-attached since: register anew
+            with self._lock:
+                self._sync_memory()
+        inflight = self.te.transfer_many(jobs, not pull, deadline)
+        return sum(sum(job[4]) for job in jobs), inflight
+
+    def board_word(self, peer: PeerLink, index: int, deadline: float) -> int:
+        return self._read(peer, peer.state.board + 8 * index, deadline)
+
+    def layer_board_word(self, peer: PeerLink, index: int, deadline: float) -> int | None:
+        return self._read(peer, peer.state.layer_board + 8 * index, deadline)
+
+    def publish(self, peer: PeerLink, index: int, value: int, deadline: float) -> None:
+        with self._word_lock(peer), self._scratch.take() as scratch:
+            self.te.write_word(peer.name, peer.state.address, scratch, peer.state.layer_board + 8 * index, value,
+                               deadline)
+
+    def _read(self, peer: PeerLink, remote: int, deadline: float) -> int:
+        with self._word_lock(peer), self._scratch.take() as scratch:
+            return self.te.read_word(peer.name, peer.state.address, scratch, remote, deadline)
+
+    def _word_lock(self, peer: PeerLink) -> threading.Lock:
+        """Word transfers to one peer go one at a time (a late one cannot land over a newer one);
+        a stalled peer holds up only its own."""
+        with self._lock:
+            return self._word_locks.setdefault(peer.state.address, threading.Lock())
+
+    def close(self) -> None:
+        self.te.close()
+        for segment in self._boards.values():
+            segment.close()
+        self._boards = {}
+
+
+def _check_ids(ids: list[int], capacity: int, what: str) -> None:
+    bad = [i for i in ids if not 0 <= i < capacity]
+    if bad:
+        raise ValueError(f"{what} block ids {bad[:8]} outside [0, {capacity})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{what} block ids list a block twice")
+
+
+def _address(segment: SharedMemorySegment) -> int:
+    return int(np.frombuffer(segment.buf, dtype=np.uint8).ctypes.data)
