@@ -48,6 +48,7 @@ from cache_manager.cache_data import CacheStatus, KVCacheStatus
 from cache_manager.ipc_signal import IPC_TOKEN_ENV, IPCSignal, ipc_suffix, new_ipc_token
 from cache_manager.queue.server import EngineCacheQueueServer
 from transfer_factory.keys import Namespace
+from transfer_factory.peer.descriptor import ROLES
 
 from . import kv_cache_control
 from .device_caches import CacheSpec, DeviceCaches
@@ -92,11 +93,15 @@ class CacheTransferService:
         record_latencies: bool = False,
         auto_restart: bool = True,  # a rank that goes down is restarted (else: down until restart_rank)
         restart_policy: RestartPolicy | None = None,  # how often and how soon (rank_recovery)
+        splitwise_role: str = "mixed",  # FastDeploy's: a decode instance maps its P/D peers read-only
     ):
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tp {tp!r} must be a positive integer")
         if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks {num_cpu_blocks!r} must be a non-negative integer")
+        if splitwise_role not in ROLES:
+            raise ValueError(f"splitwise_role {splitwise_role!r} must be one of {ROLES}")
+        self.splitwise_role = splitwise_role
         self.spec = spec
         self.tp = tp
         self.num_cpu_blocks = num_cpu_blocks
@@ -203,7 +208,7 @@ class CacheTransferService:
         s = self.spec
         value_shape = ",".join(map(str, s.value_cache_shape))
         flags: dict[str, object] = {
-            "splitwise_role": "mixed", "rank": rank, "device_id": self.device_ids[rank],
+            "splitwise_role": self.splitwise_role, "rank": rank, "device_id": self.device_ids[rank],
             "max_model_len": self.max_model_len, "num_layers": s.num_layers, "mp_num": self.tp,
             "cache_dtype": s.cache_dtype, "default_dtype": s.default_dtype,
             "key_cache_shape": ",".join(map(str, s.cache_shape)), "value_cache_shape": value_shape,

@@ -134,3 +134,28 @@ def test_unlinking_under_a_stream_of_pulls_fails_them_cleanly_and_never_crashes_
         p.retract(handle)
     assert d_svc.pids() == pids, "a decode rank died (or was restarted) under unlink"
     assert sum(outcomes.values()) == 60
+
+
+def test_a_decode_instance_maps_its_prefill_peers_caches_read_only(pair):
+    """Launched as FastDeploy's decode role, a rank maps what it pulls from without write access: a
+    bug in it cannot scribble on the prefill engine's KV.  (Every CTM used to run as ``mixed``.)"""
+    from tests.pd_helpers import local_instance
+
+    p_svc, _, p, _ = pair
+    fill_distinct(p_svc, seed=47)
+    with local_instance(SPEC, "decode-ro", num_cpu_blocks=8, splitwise_role="decode") as (d_svc, d):
+        d.link(p.descriptor(), transport="ipc")
+        handle = p.expose("req-ro")
+        try:
+            assert d.pull_blocks("prefill-0", handle, [1], [2]).result(timeout=20) == [2]
+        finally:
+            p.retract(handle)
+        cache_names = {p_svc.platform.exported_region(t)[0] for layers in p_svc.caches.tensors[0].values()
+                       for t in layers}
+        for pid in d_svc.pids().values():
+            with open(f"/proc/{pid}/maps") as f:
+                mapped = [line.split() for line in f if any(name in line for name in cache_names)]
+            assert mapped, f"decode rank pid {pid} maps none of the prefill's caches"
+            assert all(cols[1].startswith("r-") for cols in mapped), f"writable peer mappings: {mapped[:2]}"
+        with pytest.raises(ValueError, match="splitwise_role"):
+            type(d_svc)(SPEC, splitwise_role="router")
