@@ -113,6 +113,8 @@ def test_the_engines_own_stamp_is_shared_only_while_fresh():
     assert clocks.shares_engine_clock(stamp)
     assert not clocks.shares_engine_clock(stamp, now=stamp["monotonic"] - 1.0)  # an offset time namespace
     assert not clocks.shares_engine_clock(stamp, now=stamp["monotonic"] + clocks.SAME_CLOCK_SLACK_S + 1)
+    # a time namespace 10 s ahead of the engine (within the old 30 s slack) is not the engine's clock
+    assert not clocks.shares_engine_clock(stamp, now=stamp["monotonic"] + 10.0)
 
 
 @pytest.mark.parametrize("field,value", [("budget_s", v) for v in (math.nan, math.inf, -0.5, MAX_TASK_BUDGET_S * 10,
