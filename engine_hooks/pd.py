@@ -41,7 +41,7 @@ from transfer_factory.peer.handles import (BOARD_BYTES, BOARD_WORDS, DEFAULT_TTL
 from transfer_factory.peer.heads import writers
 
 from .pd_leases import LeaseReaper
-from .pd_push import PushTarget
+from .pd_push import PushTarget, check_writers
 from .wire_tasks import block_ids
 
 logger = logging.getLogger(__name__)
@@ -185,6 +185,7 @@ class PrefillDecode:
         if peer_id not in self._links:
             raise ValueError(f"instance {peer_id!r} is not linked (linked: {sorted(self._links) or 'none'})")
         dst = block_ids(dst_blocks, "dst_blocks")
+        check_writers(peer_id, self._peer_writers[peer_id])
         ref = self._svc.layerwise.acquire(await_compute=False)
         if ref is None:
             raise RuntimeError("every layer-board slot is held by unreleased tasks: no push can be received now")

@@ -24,7 +24,8 @@ import logging
 import time
 from typing import Callable
 
-from cache_manager.layer_progress import FAILED, FENCED, LayerwiseRef, reservation_word, unpack, wait_until
+from cache_manager.layer_progress import (FAILED, FENCED, PUSH_WRITERS, LayerwiseRef, reservation_word, unpack,
+                                          wait_until)
 
 from .errors import CacheServiceError
 from .layerwise import LayerWaitTimeout, LayerwiseTasks
@@ -34,6 +35,14 @@ logger = logging.getLogger(__name__)
 
 class PushFailed(CacheServiceError):
     """A prefill rank gave up on the push; the message names the peer and the rank."""
+
+
+def check_writers(peer_id: str, writers: list[int]) -> None:
+    """A layer board has ``PUSH_WRITERS`` push columns: a prefill instance with more ranks writing
+    here can be pulled from, but cannot push (refused here, not failed on its ranks)."""
+    if writers and max(writers) >= PUSH_WRITERS:
+        raise ValueError(f"instance {peer_id!r} would push from rank {max(writers)}: at most {PUSH_WRITERS} prefill "
+                         "ranks can push into one instance (pull from it instead)")
 
 
 class PushTarget:

@@ -97,3 +97,12 @@ def test_a_ticket_carrying_another_reservations_slot_writes_nothing(linked):
     unchanged(d_svc, [24, 25, 26, 27], before, "a push of a swapped ticket")
     for target in (first, second):
         assert target.cancel() or (target.wait_released(10) and target.close())
+
+
+def test_a_prefill_instance_with_more_ranks_than_push_columns_is_refused_before_reserving():
+    from cache_manager.layer_progress import PUSH_WRITERS
+    from engine_hooks.pd_push import check_writers
+
+    check_writers("prefill-16", list(range(PUSH_WRITERS)))
+    with pytest.raises(ValueError, match=f"at most {PUSH_WRITERS} prefill ranks"):
+        check_writers("prefill-32", list(range(2 * PUSH_WRITERS)))
