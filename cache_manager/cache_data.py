@@ -1,7 +1,9 @@
 """Cache states, task kinds and the names the engine and the CTMs agree on."""
 from __future__ import annotations
 
+import os
 from enum import IntEnum
+from typing import Mapping
 
 
 class CacheStatus(IntEnum):
@@ -53,3 +55,13 @@ DEFAULT_SLEEP_TAGS = ("weight", KV_CACHE_TAG)  # are "weight,kv_cache")
 # FastDeploy's PrefixCacheManager creates these; a CTM publishes its pause ([0]) and whether it has tasks in flight ([rank])
 CACHE_TASK_IS_PAUSED_SIGNAL = "cache_task_is_paused"
 CACHE_TASK_INFLIGHT_SIGNAL = "cache_task_inflight"
+
+SWAP_CLEARING_ENV = "FD_ENABLE_SWAP_SPACE_CLEARING"
+
+
+def swap_clearing(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``FD_ENABLE_SWAP_SPACE_CLEARING`` is set in ``environ`` (a CTM's: this process's by
+    default): a clear or a sleep then frees the swap space, and its contents are gone.  The engine
+    asks the same of the environment it gives its CTMs."""
+    env = os.environ if environ is None else environ
+    return env.get(SWAP_CLEARING_ENV, "").strip().lower() in ("1", "true", "yes", "on")

@@ -127,9 +127,14 @@ class EngineCore:
         if not freed:
             return
         unknown = [r for r in range(self.tp) if r not in results or not results[r].ok]
-        logger.warning("the sleep freed the swap space of rank(s) %s%s: host slots written before are lost",
-                       freed, f" (and maybe of {unknown}, which failed it)" if unknown else "")
-        for rank in freed + unknown:
+        self.swap_freed(freed + unknown, "a FastDeploy sleep" + (f" (maybe on {unknown}, which failed it)"
+                                                                  if unknown else ""))
+
+    def swap_freed(self, ranks: list[int], why: str) -> None:
+        """The swap space of ``ranks`` was freed (``why``: a sleep or an RL clear under
+        ``FD_ENABLE_SWAP_SPACE_CLEARING``): the host slots written before are lost on them."""
+        logger.warning("%s freed the swap space of rank(s) %s: host slots written before are lost", why, ranks)
+        for rank in ranks:
             self.host_slots.rank_restarted(rank)
 
     def _send(self, task: dict) -> None:

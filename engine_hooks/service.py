@@ -44,7 +44,7 @@ from typing import Any, Mapping, Sequence
 
 import ops
 from cache_manager.queue import wire
-from cache_manager.cache_data import CacheStatus, KVCacheStatus
+from cache_manager.cache_data import CacheStatus, KVCacheStatus, swap_clearing
 from cache_manager.ipc_signal import IPC_TOKEN_ENV, IPCSignal, ipc_suffix, new_ipc_token
 from cache_manager.queue.server import EngineCacheQueueServer
 from transfer_factory.keys import Namespace
@@ -346,6 +346,8 @@ class CacheTransferService:
     def clear_caches(self, timeout: float = 60.0) -> None:
         """Drain and detach every rank, then free the device caches (``kv_cache_control``)."""
         kv_cache_control.clear_caches(self.resources, self._ranks.failures, self.tp, timeout)
+        if swap_clearing({**os.environ, **self.extra_env}):  # the environment the CTMs run in
+            self.core.swap_freed(list(range(self.tp)), "an RL clear")
 
     def restore_caches(self, timeout: float = 120.0) -> None:
         """Re-create the caches and have every rank re-attach under the new model version."""

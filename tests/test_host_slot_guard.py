@@ -109,3 +109,28 @@ def test_a_facade_swap_in_after_a_sleep_that_freed_the_swap_space_is_refused_nam
         assert changed == [], f"a refused swap-in moved bytes: {changed}"
     finally:
         assert engine.close() == []
+
+
+def test_a_service_swap_in_after_an_rl_clear_that_freed_the_swap_space_is_refused_naming_the_slots():
+    """Under ``FD_ENABLE_SWAP_SPACE_CLEARING`` an RL clear frees the ranks' swap space like a sleep does:
+    the service's clear goes through the same guard (before, the swap-in loaded zeros, reported done)."""
+    from tests.service_helpers import start_service
+
+    svc = start_service(SPEC, num_cpu_blocks=8, extra_env={"FD_ENABLE_SWAP_SPACE_CLEARING": "1"})
+    try:
+        fill_distinct(svc, seed=71)
+        svc.swap_to_cpu([3, 4], [1, 2]).result(timeout=20)
+        svc.clear_caches(timeout=30)
+        svc.restore_caches(timeout=60)
+        fill_distinct(svc, seed=72)
+        before = block_bytes(svc, [5, 6])
+        with pytest.raises(TaskFailedError, match=r"host slots \[1, 2\]"):
+            svc.swap_to_gpu([5, 6], [1, 2]).result(timeout=20)
+        assert not same(before, block_bytes(svc, [5, 6])), "a refused swap-in changed the blocks"
+        svc.swap_to_cpu([3, 4], [1, 2]).result(timeout=20)  # written again: good again
+        want = block_bytes(svc, [3, 4])
+        svc.swap_to_gpu([5, 6], [1, 2]).result(timeout=20)
+        got = block_bytes(svc, [5, 6])
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+    finally:
+        svc.shutdown()

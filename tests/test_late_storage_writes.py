@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from cache_manager.cache_data import KV_CACHE_STATUS_SIGNAL, KVCacheStatus
+from cache_manager.cache_data import KV_CACHE_STATUS_SIGNAL, SWAP_CLEARING_ENV, KVCacheStatus
 from tests.service_helpers import SMALL, fill_distinct, start_service
 from transfer_factory.file.store import FileStore
 from transfer_factory.file.store_io import address_of
@@ -164,7 +164,7 @@ def test_a_clear_waits_for_storage_calls_off_the_serve_thread_and_counts_those_t
     from cache_manager.rank import lifecycle
 
     monkeypatch.setattr(lifecycle, "STORAGE_CLOSE_WAIT", 0.3)
-    monkeypatch.delenv(lifecycle.SWAP_CLEARING_ENV, raising=False)
+    monkeypatch.delenv(SWAP_CLEARING_ENV, raising=False)
     signals = {name: SimpleNamespace(value=np.ones(2, np.int32)) for name in
                (CACHE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL, SWAP_SPACE_READY_SIGNAL)}
     signals[KV_CACHE_STATUS_SIGNAL] = SimpleNamespace(value=np.array([int(KVCacheStatus.CLEARING)], np.int32))

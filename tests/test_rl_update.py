@@ -13,7 +13,7 @@ import pytest
 
 from engine_hooks import CachesClearedError, CacheUpdateError, RankDiedError
 from engine_hooks.prefix_cache import TieredPrefixCache
-from cache_manager.cache_data import CACHE_READY_SIGNAL, KV_CACHE_STATUS_SIGNAL, KVCacheStatus
+from cache_manager.cache_data import CACHE_READY_SIGNAL, KV_CACHE_STATUS_SIGNAL, SWAP_CLEARING_ENV, KVCacheStatus
 from cache_manager.cache_spec import key_prefix_from_version
 from tests.service_helpers import SMALL, block_bytes, fill_distinct, segments_of, start_service, views
 from transfer_factory.keys import chain_hash_ids
@@ -251,7 +251,7 @@ def test_a_draining_rank_never_detaches_while_a_task_holds_blocks(monkeypatch):
     from cache_manager.queue.client import BarrierAnswer
 
     monkeypatch.setattr(kv_cache_lifecycle, "DRAIN_TIMEOUT", 0.05)
-    monkeypatch.delenv(kv_cache_lifecycle.SWAP_CLEARING_ENV, raising=False)
+    monkeypatch.delenv(SWAP_CLEARING_ENV, raising=False)
     held = [1]
     signals = {name: SimpleNamespace(value=np.ones(2, np.int32)) for name in
                (CACHE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL, SWAP_SPACE_READY_SIGNAL)}

@@ -45,26 +45,21 @@ the task scheduler, the rank's signals and the queue (for the barriers), never t
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Protocol
 
 from cache_manager.cache_data import (CACHE_READY_SIGNAL, CACHE_TRANSFER_INITED_SIGNAL, KV_CACHE_STATUS_SIGNAL,
                                       SWAP_SPACE_READY_SIGNAL, KVCacheStatus)
+from cache_manager.cache_data import swap_clearing
 from cache_manager.rank.lockstep import BarrierQueue, StatusLockstep
 from cache_manager.rank.resources import RankResources
 from cache_manager.rank.signals import RankSignals
 
-SWAP_CLEARING_ENV = "FD_ENABLE_SWAP_SPACE_CLEARING"
 DRAIN_TIMEOUT = 60.0  # seconds of draining after which a rank logs the tasks that still hold its blocks
 STORAGE_CLOSE_WAIT = 5.0  # seconds a clear waits for storage calls that outlived their tasks, then goes on
 RESTORE_RETRY_PAUSE = 0.5  # seconds between a failed restore and the next try (the status stays UPDATING)
 CLEARED_STEP, RESTORED_STEP = "cleared", "restored"  # the lock-step barriers' steps
-
-
-def _enabled(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def detach_rank(resources: RankResources, signals: RankSignals, rank: int) -> bool:
@@ -75,7 +70,7 @@ def detach_rank(resources: RankResources, signals: RankSignals, rank: int) -> bo
     holds a block.  Returns whether the swap space was freed.  The RL clear and FastDeploy's sleep
     (``rank.control``) share it."""
     resources.close_storage()
-    swap_freed = _enabled(SWAP_CLEARING_ENV)
+    swap_freed = swap_clearing()
     if swap_freed:
         resources.free_swap()
         signals[SWAP_SPACE_READY_SIGNAL].value[rank] = 0
