@@ -1,4 +1,12 @@
-"""The engine's side of RL weight updates: ``clear_caches`` and ``restore_caches`` (DESIGN §3.9).
+"""The engine's side of the cache lifecycle: RL weight updates (``clear_caches`` and
+``restore_caches``, DESIGN §3.9) and FastDeploy's sleep and wakeup (``sleep_caches`` and
+``wakeup_caches``).  They are two faces of one lifecycle: both retire the caches' generation first
+(``EngineResources.retire_generation``: peer links stop counting bytes of them, exposed handles are
+retracted), let every rank drain and detach, free the memory, and later re-create it under a new
+generation that the ranks attach.  The host-slot guard hears of swap space freed either way (the
+engine core's ``swap_freed``).  They differ only in how the ranks are told: the ``kv_cache_status``
+signal for an RL update, a control request for a sleep (FastDeploy's ``ctrl_sleep``/``ctrl_wakeup``,
+answered by every rank).
 
 ``clear_caches`` sets ``kv_cache_status`` to CLEARING and waits, bounded, until every rank has
 drained its tasks, detached its caches and the status reads CLEARED; then the engine frees its
@@ -85,3 +93,40 @@ def restore_caches(resources: EngineResources, rank_failures: RankFailures, tp: 
     _wait(resources, rank_failures, tp, KVCacheStatus.NORMAL, timeout, "restore_caches", CACHE_TRANSFER_INITED_SIGNAL)
     logger.info("[RL] caches restored on %d ranks in %.2fs (model version %r)", tp, time.monotonic() - t0,
                 resources.model_version)
+
+
+Control = Callable[[str, float], list]  # (command, timeout) -> every rank's answer; raises naming a failed rank
+SLEEP_TAGS = ["kv_cache"]  # FastDeploy's sleep/wakeup tags, as far as the CTMs are concerned
+
+
+def sleep_caches(resources: EngineResources, control: Control, timeout: float = 60.0) -> list:
+    """FastDeploy's sleep: every rank drains and lets go of its caches, then the engine frees them.
+    A rank that fails keeps the caches allocated (``CacheUpdateError`` naming it); sleep again, or
+    restart the rank.  Returns every rank's answer."""
+    current = resources.kv_cache_status()
+    if current != KVCacheStatus.NORMAL:
+        raise CacheUpdateError(f"sleep needs kv_cache_status NORMAL, it is {current.name}")
+    resources.retire_generation()  # first: peer links stop counting bytes of these caches
+    try:
+        answers = control("ctrl_sleep", timeout)
+    except Exception as exc:
+        raise CacheUpdateError(f"sleep failed; the caches stay allocated: {exc}") from exc
+    resources.free_caches()
+    logger.info("[sleep] caches released on every rank")
+    return answers
+
+
+def wakeup_caches(resources: EngineResources, control: Control, timeout: float = 120.0,
+                  reread_model_version: bool = False) -> list:
+    """FastDeploy's wakeup: the engine creates new caches (a new generation), every rank attaches
+    them.  ``reread_model_version``: adopt ``<model_path>/version.yaml``'s prefix, as the ranks do
+    when the file is there."""
+    if reread_model_version:
+        resources.reread_model_version()
+    resources.recreate_caches()
+    try:
+        answers = control("ctrl_wakeup", timeout)
+    except Exception as exc:
+        raise CacheUpdateError(f"wakeup failed: {exc}") from exc
+    logger.info("[wakeup] every rank attached the new caches (model version %r)", resources.model_version)
+    return answers

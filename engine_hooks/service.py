@@ -49,6 +49,7 @@ from cache_manager.ipc_signal import IPC_TOKEN_ENV, IPCSignal, ipc_suffix, new_i
 from cache_manager.queue.server import EngineCacheQueueServer
 from transfer_factory.keys import Namespace
 from transfer_factory.peer.descriptor import ROLES
+from transfer_factory.peer.handles import NO_GENERATION
 
 from . import kv_cache_control
 from .device_caches import CacheSpec, DeviceCaches
@@ -239,10 +240,10 @@ class CacheTransferService:
         own ``timeout`` to the ranks, which answer with 0 blocks when it passes, and the grace
         lets that answer arrive."""
         timeout = self.task_timeout if timeout is None else float(timeout)
-        return self.core.submit(task, timeout, grace, self._refusal())  # the core's guards come next
+        return self.core.submit(task, timeout, grace, self._refusal(task))  # the core's guards come next
 
-    def _refusal(self) -> Exception | None:
-        """Why any task fails at once, before it is sent, or None (the engine core then guards the
+    def _refusal(self, task: dict) -> Exception | None:
+        """Why ``task`` fails at once, before it is sent, or None (the engine core then guards the
         host slots a restart emptied)."""
         if self._closed or self.server is None:
             return ServiceClosed("the CTM service is not running")
@@ -250,6 +251,8 @@ class CacheTransferService:
         if status != KVCacheStatus.NORMAL:
             return CachesClearedError(f"the KV caches are cleared for a weight update (kv_cache_status "
                                       f"{status.name}): restore_caches() first")
+        if self.resources.generation == NO_GENERATION and task.get("event_type") != CacheStatus.CTRL:
+            return CachesClearedError("the KV caches are released (a sleep, or one that failed): wakeup() first")
         return None
 
     def swap_to_cpu(self, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any = None,
@@ -348,6 +351,22 @@ class CacheTransferService:
         kv_cache_control.clear_caches(self.resources, self._ranks.failures, self.tp, timeout)
         if swap_clearing({**os.environ, **self.extra_env}):  # the environment the CTMs run in
             self.core.swap_freed(list(range(self.tp)), "an RL clear")
+
+    def sleep(self, timeout: float = 60.0) -> None:
+        """FastDeploy's sleep through the service: every rank drains and lets go of the caches, then
+        they are freed.  Tasks fail with ``CachesClearedError`` until ``wakeup``; P/D links to or from
+        this instance stop counting bytes at once (link again after the wakeup)."""
+        kv_cache_control.sleep_caches(self.resources, self._control_answers, timeout)
+
+    def wakeup(self, timeout: float = 120.0) -> None:
+        """New caches (zeroed, a new generation), attached by every rank."""
+        version_file = os.path.isfile(os.path.join(self.model_id, "version.yaml"))
+        kv_cache_control.wakeup_caches(self.resources, self._control_answers, timeout,
+                                       reread_model_version=self.storage_backend != "none" and version_file)
+
+    def _control_answers(self, command: str, timeout: float) -> list:
+        future = self.control(command, timeout=timeout, tags=list(kv_cache_control.SLEEP_TAGS))
+        return future.result(timeout=timeout + 5)
 
     def restore_caches(self, timeout: float = 120.0) -> None:
         """Re-create the caches and have every rank re-attach under the new model version."""

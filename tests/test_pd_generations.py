@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cache_manager.cache_spec import CacheSpec
-from engine_hooks.errors import TaskFailedError
+from engine_hooks.errors import CachesClearedError, TaskFailedError
 from engine_hooks.pd import PrefillDecode
 from engine_hooks.pd_push import PushFailed
 from tests.pd_helpers import blocks_any, fill_any, link_both, pair_fixtures, pair_for
@@ -24,10 +24,15 @@ pair, npu_pair = pair_fixtures(SPEC, num_cpu_blocks=8)
 TRANSPORTS = ["ipc", "mooncake", "datadist"]
 
 
-def replace_caches(svc, seed: int) -> None:
-    """An RL weight update: every cache segment freed and created anew, then filled."""
-    svc.clear_caches(timeout=30)
-    svc.restore_caches(timeout=60)
+def replace_caches(svc, seed: int, how: str = "rl") -> None:
+    """Every cache segment freed and created anew, then filled: an RL weight update (``rl``) or
+    FastDeploy's sleep and wakeup (``sleep``), the two faces of one cache lifecycle."""
+    if how == "rl":
+        svc.clear_caches(timeout=30)
+        svc.restore_caches(timeout=60)
+    else:
+        svc.sleep(timeout=30)
+        svc.wakeup(timeout=60)
     fill_any(svc, seed)
 
 
@@ -37,15 +42,16 @@ def assert_blocks(svc, ids, want, what: str) -> None:
         assert np.array_equal(got[key], value), f"{what}: {key} differs"
 
 
+@pytest.mark.parametrize("how", ["rl", "sleep"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_pull_over_a_link_to_replaced_prefill_caches_is_refused_and_a_new_link_pulls_the_new_bytes(
-        request, transport):
+        request, transport, how):
     p_svc, d_svc, p, d = pair_for(request, transport)
     fill_any(p_svc, 11)
     fill_any(d_svc, 12)
     link_both(p, d, transport, chosen="auto" if transport == "datadist" else None)
     stale = p.expose("req-before")
-    replace_caches(p_svc, 13)
+    replace_caches(p_svc, 13, how)
     before = blocks_any(d_svc, [5, 6])
     handle = p.expose("req-after")
     # (LLM-DataDist: the prefill rank closed its endpoint before its memory went, tearing the link down)
@@ -62,13 +68,14 @@ def test_a_pull_over_a_link_to_replaced_prefill_caches_is_refused_and_a_new_link
     p.retract(handle)
 
 
+@pytest.mark.parametrize("how", ["rl", "sleep"])
 @pytest.mark.parametrize("transport", ["ipc", "mooncake"])
 def test_a_push_over_a_link_to_replaced_decode_caches_fails_and_a_new_link_lands_in_the_new_caches(
-        request, transport):
+        request, transport, how):
     p_svc, d_svc, p, d = pair_for(request, transport)
     fill_any(p_svc, 21)
     link_both(p, d, transport)
-    replace_caches(d_svc, 22)
+    replace_caches(d_svc, 22, how)
     before = blocks_any(d_svc, [3, 4])
     target = d.receive_push("prefill-0", [3, 4], timeout=20)
     future = p.push_blocks("decode-0", target.ticket, [8, 9], layerwise=False, timeout=20)
@@ -103,6 +110,27 @@ def test_a_pull_during_the_prefill_clear_counts_nothing(request, transport):
     finally:
         p_svc.restore_caches(timeout=60)
     link_both(p, d, transport)
+
+
+def test_an_asleep_service_refuses_tasks_until_its_wakeup_and_its_links_until_relinked(pair):
+    p_svc, d_svc, p, d = pair
+    fill_any(p_svc, 25)
+    link_both(p, d, "ipc")
+    handle = p.expose("req-asleep")
+    p_svc.sleep(timeout=30)
+    try:
+        with pytest.raises(CachesClearedError, match="wakeup"):
+            p_svc.swap_to_cpu([1], [1]).result(timeout=20)
+        with pytest.raises(TaskFailedError, match="closed its prefill/decode side or is replacing|no longer exposed"):
+            d.pull_blocks("prefill-0", handle, [1], [1]).result(timeout=20)
+    finally:
+        p_svc.wakeup(timeout=60)
+    fill_any(p_svc, 26)
+    want = blocks_any(p_svc, [3])
+    p_svc.swap_to_cpu([3], [2]).result(timeout=20)  # serving again, on the new caches
+    p_svc.swap_to_gpu([4], [2]).result(timeout=20)
+    assert_blocks(p_svc, [4], want, "a swap after the wakeup")
+    link_both(p, d, "ipc")
 
 
 def test_a_second_prefill_decode_side_on_a_service_serves_transfer_engine_pulls(pair):
