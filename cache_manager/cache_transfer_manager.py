@@ -22,7 +22,7 @@ engine can no longer unlink; a heartbeat that stops is
 logged and nothing more, since a paused engine keeps its caches.  SIGTERM gives a clean exit.
 A rank whose stream from the engine breaks for good (its local link closed, a frame lost) exits at
 once with ``STREAM_BROKEN_EXIT``, its in-flight I/O cut short: alive but mute, it would only let
-every task time out.  The engine declares it down and restarts it (``engine_hooks.rank_recovery``).
+every task time out.  The engine declares it down and restarts it (``engine_hooks.core.rank_recovery``).
 """
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ class EngineWatch:
             self._beat_stale_logged = True
 
 
-QUEUE_DIR_PREFIX = "ctm-queue-"  # ``engine_hooks.queue_secret.SecretFile``'s directories
+QUEUE_DIR_PREFIX = "ctm-queue-"  # ``engine_hooks.fastdeploy.secret.SecretFile``'s directories
 
 
 def remove_engine_leftovers(signals: Iterable[IPCSignal | None], platform: Platform, log: logging.Logger,

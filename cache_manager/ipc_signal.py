@@ -14,7 +14,7 @@ environment: command lines are readable by every user).  A CTM started without i
 engine) keeps the port-only names and logs that they are predictable (``engine_ipc_suffix``).
 
 Port-only names.  FastDeploy names a signal ``<name>.<port>`` (its ``IPCSignal``; this project's
-drop-in for the engine side is ``engine_hooks.fastdeploy_signals``); this module creates
+drop-in for the engine side is ``engine_hooks.fastdeploy.signals``); this module creates
 ``ctm.<name>.<port>``.  A process attaching with a bare port takes FastDeploy's name if it is there
 (and ours), else ours (``signal_segment_names``), so a CTM serves either engine unchanged.  Another
 user's segment under either name is never attached.

@@ -30,7 +30,7 @@ plain stores and loads would happen to be enough.  Per slot there are:
   fence before its load, ``_shm_atomic.store_fenced``): a cancel that sees no writer started knows
   none will start.
 
-The engine (``engine_hooks.layerwise``) creates the board, hands out slots and frees a slot only once
+The engine (``engine_hooks.core.layerwise``) creates the board, hands out slots and frees a slot only once
 every rank has released the task, so no late rank writes into a slot another task uses.  It is a
 plain ``int64`` IPCSignal named ``layer_progress``; a CTM attaches on its first layer-wise task.
 """

@@ -1,6 +1,6 @@
 """What an engine imports: create and export caches, start the CTMs, submit tasks and get futures."""
-from .device_caches import CacheSpec
-from .errors import (
+from .core.device_caches import CacheSpec
+from .core.errors import (
     CacheServiceError,
     CachesClearedError,
     CacheUpdateError,
@@ -10,7 +10,7 @@ from .errors import (
     TaskFailedError,
     TaskTimeoutError,
 )
-from .fastdeploy_queue import EngineCacheQueue
+from .fastdeploy.queue import EngineCacheQueue
 from .service import CacheTransferService
 
 __all__ = [

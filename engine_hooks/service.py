@@ -51,16 +51,16 @@ from transfer_factory.keys import Namespace
 from transfer_factory.peer.descriptor import ROLES
 from transfer_factory.peer.handles import NO_GENERATION
 
-from . import kv_cache_control
-from .device_caches import CacheSpec, DeviceCaches
-from .engine_resources import EngineResources
-from .errors import CachesClearedError, ServiceClosed
-from .launcher import RankProcess, RankProcesses, default_log_dir, free_port
-from .layerwise import LayerwiseTasks
-from .metrics import CacheMetrics
-from .engine_core import EngineCore
-from .rank_recovery import RankHooks, RankRecovery, RestartPolicy
-from .wire_tasks import storage_task, swap_task
+from .core import kv_cache_control
+from .core.device_caches import CacheSpec, DeviceCaches
+from .core.engine_resources import EngineResources
+from .core.errors import CachesClearedError, ServiceClosed
+from .core.launcher import RankProcess, RankProcesses, default_log_dir, free_port
+from .core.layerwise import LayerwiseTasks
+from .core.metrics import CacheMetrics
+from .core.engine_core import EngineCore
+from .core.rank_recovery import RankHooks, RankRecovery, RestartPolicy
+from .core.wire_tasks import storage_task, swap_task
 
 logger = logging.getLogger(__name__)
 

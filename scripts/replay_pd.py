@@ -41,7 +41,7 @@ import time
 import numpy as np
 
 from engine_hooks import CacheTransferService
-from engine_hooks.late_tasks import bytes_moved, released_of
+from engine_hooks.core.late_tasks import bytes_moved, released_of
 from engine_hooks.pd import TRANSPORT_CHOICES, PrefillDecode, offer_for
 from engine_hooks.prefix_cache import CapacityError, TieredPrefixCache, TierStats
 from replay_instances import Router

@@ -59,7 +59,7 @@ import numpy as np  # noqa: E402
 from engine_hooks import CacheSpec, CacheTransferService  # noqa: E402
 from engine_hooks.prefix_cache import TIERS, WRITE_POLICIES, CapacityError, TieredPrefixCache  # noqa: E402
 from engine_hooks.service import default_log_dir  # noqa: E402
-from engine_hooks.write_policy import default_bounce_blocks  # noqa: E402
+from engine_hooks.prefix_cache.write_policy import default_bounce_blocks  # noqa: E402
 from ops.procs import PathReaper  # noqa: E402
 import replay_instances  # noqa: E402
 import replay_pd  # noqa: E402

@@ -4,7 +4,7 @@ CTM per rank launched with FastDeploy's flags.  ``close()`` stops the CTMs and u
 
 ``unix_socket=True`` gives the queue FastDeploy's ``/dev/shm/fd_task_queue_<port>.sock`` address
 (``FD_ENGINE_TASK_QUEUE_WITH_SHM=1``); ``fastdeploy_signals=True`` creates the signals under
-FastDeploy's names with its ``IPCSignal``'s semantics (``engine_hooks.fastdeploy_signals``), as its
+FastDeploy's names with its ``IPCSignal``'s semantics (``engine_hooks.fastdeploy.signals``), as its
 engine and prefix cache manager do; ``launch_like_fastdeploy`` starts a CTM as FastDeploy does.
 ``control`` puts a FastDeploy control request and returns its ``ControlResponse``; ``free_caches`` and
 ``recreate_caches`` are what FastDeploy's worker does to its KV caches on a sleep and a wakeup.
@@ -27,12 +27,13 @@ from cache_manager.cache_data import (CACHE_READY_SIGNAL, CACHE_TRANSFER_INITED_
                                       PER_RANK_SIGNALS, WORKER_HEALTHY_LIVE_SIGNAL, CacheStatus)
 from cache_manager.ipc_signal import IPCSignal
 from cache_manager.queue.unix_address import fastdeploy_queue_path
-from engine_hooks.device_caches import CacheSpec, DeviceCaches
-from engine_hooks.fastdeploy_queue import DEFAULT_AUTHKEY, EngineCacheQueue
-from engine_hooks.fastdeploy_signals import PREFIX_CACHE_ATTACHES, PREFIX_CACHE_CREATES
+from engine_hooks.core.device_caches import CacheSpec, DeviceCaches
+from engine_hooks.core.launcher import REPO_ROOT, RankProcess, launch
+from engine_hooks.core.launcher import default_log_dir, free_port
+from engine_hooks.fastdeploy.queue import DEFAULT_AUTHKEY
+from engine_hooks.fastdeploy.signals import PREFIX_CACHE_ATTACHES, PREFIX_CACHE_CREATES
+from engine_hooks.fastdeploy_queue import EngineCacheQueue  # the names FastDeploy's adoption imports
 from engine_hooks.fastdeploy_signals import IPCSignal as FastDeploySignal
-from engine_hooks.launcher import REPO_ROOT, RankProcess, launch
-from engine_hooks.launcher import default_log_dir, free_port
 from ops.procs import private_dir
 from ops.shm import unlink_segments
 

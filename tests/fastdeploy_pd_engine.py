@@ -21,7 +21,7 @@ import sys
 
 from cache_manager.queue.unix_address import SHM_QUEUE_ENV
 from cache_manager.queue.wire import SECRET_ENV
-from engine_hooks.launcher import REPO_ROOT
+from engine_hooks.core.launcher import REPO_ROOT
 from ops.procs import private_dir
 from tests.fastdeploy_engine import FastDeployEngine
 

@@ -17,7 +17,7 @@ import pytest
 
 from cache_manager.cache_data import CACHE_TRANSFER_INITED_SIGNAL, CacheStatus
 from cache_manager.queue import wire
-from engine_hooks.launcher import REPO_ROOT, free_port
+from engine_hooks.core.launcher import REPO_ROOT, free_port
 from ops.shm import SHM_DIR, SharedMemorySegment, segment_identity, sweep_orphans
 from ops.shm_ledger import CREATOR_PREFIX, Creator
 from tests.service_helpers import process_gone, segments_of, start_service

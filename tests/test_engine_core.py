@@ -1,4 +1,4 @@
-"""The engine core both front doors share (``engine_hooks.engine_core``): a CTM relaunched during a
+"""The engine core both front doors share (``engine_hooks.core.engine_core``): a CTM relaunched during a
 FastDeploy pause (by FastDeploy, or restarted by the service) is paused again before anything reaches
 it, so it never runs what the other ranks hold.
 

@@ -9,8 +9,8 @@ import stat
 import pytest
 
 from cache_manager.queue import wire
-from engine_hooks.fastdeploy_queue import DEFAULT_AUTHKEY, EngineCacheQueue, queue_secret
-from engine_hooks.queue_secret import SECRET_LABEL, derive_secret
+from engine_hooks.fastdeploy.queue import DEFAULT_AUTHKEY, EngineCacheQueue, queue_secret
+from engine_hooks.fastdeploy.secret import SECRET_LABEL, derive_secret
 
 AUTHKEY = b"an engine's own authkey"
 

@@ -18,8 +18,8 @@ import pytest
 from cache_manager.cache_data import CACHE_TRANSFER_INITED_SIGNAL, SWAP_SPACE_READY_SIGNAL
 from cache_manager.ctm_flags import parse_args
 from cache_manager.queue.wire import SECRET_FILE_ENV
-from engine_hooks.fastdeploy_queue import EngineCacheQueue
-from engine_hooks.launcher import REPO_ROOT
+from engine_hooks.fastdeploy.queue import EngineCacheQueue
+from engine_hooks.core.launcher import REPO_ROOT
 from tests.fastdeploy_pd_engine import CREATE_CACHE_TENSOR, CTM_MODULE, FD_SCRIPT, FastDeployPDEngine, adopt, pd_storage_keys
 from tests.fastdeploy_types import FDCacheStatus, FDReadStorageTask, FDWriteStorageTask
 

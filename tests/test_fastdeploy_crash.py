@@ -19,7 +19,7 @@ import textwrap
 import time
 from typing import Iterator
 
-from engine_hooks.launcher import REPO_ROOT
+from engine_hooks.core.launcher import REPO_ROOT
 
 # The engine: FastDeploy's Unix-socket queue and signal names, two CTMs launched as FastDeploy does,
 # a swap and its control requests; it reports what it saw, then waits to be killed.

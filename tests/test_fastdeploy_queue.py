@@ -12,8 +12,8 @@ import pytest
 from cache_manager.queue import wire
 from cache_manager.cache_data import CacheStatus
 from cache_manager.cache_tasks import ReadStorageTask, WriteStorageTask
-from engine_hooks.fastdeploy_queue import EngineCacheQueue
-from engine_hooks.launcher import launch
+from engine_hooks.fastdeploy.queue import EngineCacheQueue
+from engine_hooks.core.launcher import launch
 from tests.fastdeploy_engine import FastDeployEngine
 from tests.fastdeploy_types import FDCacheStatus, FDReadStorageTask, FDWriteStorageTask
 
@@ -130,7 +130,7 @@ def test_storage_write_then_read_are_bit_exact_with_fastdeploy_done_tuples(fd):
 def test_failed_storage_reports_no_blocks_and_a_failed_swap_is_never_reported(fd, caplog):
     fd.queue.put_transfer_task((CacheStatus.STORAGE2GPU, ReadStorageTask("bad-read", ["hash-a"], [], [99], 0)))
     assert fd.signals_for(2) == [(CacheStatus.STORAGE2GPU, "bad-read", ["hash-a"], [])] * 2
-    with caplog.at_level(logging.ERROR, logger="engine_hooks.fastdeploy_queue"):
+    with caplog.at_level(logging.ERROR, logger="engine_hooks.fastdeploy.queue"):
         fd.queue.put_transfer_task((CacheStatus.SWAP2GPU, "bad-swap", [1], [99], [0]))
         wait_until(lambda: "bad-swap" in fd.queue.failed_tasks(), 20, "the swap's failure")
     assert "device block id 99" in fd.queue.failed_tasks()["bad-swap"]
@@ -229,7 +229,7 @@ def test_a_ctm_with_a_wrong_secret_is_refused(fd, tmp_path):
 def test_the_default_authkey_warns_works_and_a_dead_rank_fails_its_swaps(caplog, keep_secret_env):
     """FastDeploy's public default authkey: a warning, a random secret the CTM inherits.  A task sent
     before the CTM joined waits for it; a CTM that dies fails its swaps (never reported done)."""
-    with caplog.at_level(logging.WARNING, logger="engine_hooks.fastdeploy_queue"):
+    with caplog.at_level(logging.WARNING, logger="engine_hooks.fastdeploy.queue"):
         engine = FastDeployEngine(tp=1)  # FastDeploy's authkey=b"cache_queue_service"
     try:
         assert any("public default" in r.getMessage() for r in caplog.records)

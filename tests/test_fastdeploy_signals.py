@@ -1,4 +1,4 @@
-"""FastDeploy's IPC signal names and create/attach semantics (``engine_hooks.fastdeploy_signals``):
+"""FastDeploy's IPC signal names and create/attach semantics (``engine_hooks.fastdeploy.signals``):
 its PrefixCacheManager and our CTMs attach ``<name>.<port>``; a restart on the same port replaces what
 a killed engine left; another user's segment under the name is never removed or used."""
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 
 from cache_manager.ipc_signal import IPCSignal as CtmSignal
 from cache_manager.ipc_signal import unlink_if_same
-from engine_hooks.fastdeploy_signals import PREFIX_CACHE_ATTACHES, PREFIX_CACHE_CREATES, IPCSignal
-from engine_hooks.launcher import REPO_ROOT, free_port
+from engine_hooks.fastdeploy.signals import PREFIX_CACHE_ATTACHES, PREFIX_CACHE_CREATES, IPCSignal
+from engine_hooks.core.launcher import REPO_ROOT, free_port
 from ops.shm import SHM_DIR
 
 NOBODY = 65534
@@ -28,7 +28,7 @@ NAMES = PREFIX_CACHE_ATTACHES + PREFIX_CACHE_CREATES
 # An engine that creates FastDeploy's signals on a port, marks them, says so and waits to be killed.
 ENGINE = textwrap.dedent("""
     import sys, time, numpy as np
-    from engine_hooks.fastdeploy_signals import IPCSignal
+    from engine_hooks.fastdeploy.signals import IPCSignal
     port, names = int(sys.argv[1]), sys.argv[2:]
     signals = [IPCSignal(n, np.full(2, 7, np.int32), np.int32, suffix=port, create=True) for n in names]
     print("created", flush=True)
@@ -85,7 +85,7 @@ def test_a_stale_segment_from_a_killed_engine_is_replaced_on_restart(caplog):
     assert left == sorted(f"{n}.{port}" for n in NAMES), "the killed engine's segments should be there to replace"
     restarted = {}
     try:
-        with caplog.at_level(logging.WARNING, logger="engine_hooks.fastdeploy_signals"):
+        with caplog.at_level(logging.WARNING, logger="engine_hooks.fastdeploy.signals"):
             for name in NAMES:  # a leftover of ours is replaced, as FastDeploy's own create does
                 restarted[name] = IPCSignal(name, np.zeros(2, np.int32), np.int32, suffix=port, create=True)
         assert all(list(s.value) == [0, 0] for s in restarted.values()), "the dead engine's values survived"

@@ -15,8 +15,8 @@ import pytest
 from cache_manager.cache_data import CacheStatus
 from cache_manager.queue.unix_address import SHM_QUEUE_ENV, ctm_queue_endpoint, fastdeploy_queue_path
 from cache_manager.queue.wire import SECRET_FILE_ENV
-from engine_hooks.fastdeploy_queue import EngineCacheQueue
-from engine_hooks.launcher import free_port
+from engine_hooks.fastdeploy.queue import EngineCacheQueue
+from engine_hooks.core.launcher import free_port
 from tests.fastdeploy_engine import FastDeployEngine
 
 NOBODY = 65534

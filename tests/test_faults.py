@@ -16,7 +16,7 @@ from cache_manager.cache_data import CACHE_READY_SIGNAL, CACHE_TRANSFER_INITED_S
 from cache_manager.cache_tasks import RankResult
 from cache_manager.queue.server import EngineCacheQueueServer
 from cache_manager.ipc_signal import IPCSignal
-from engine_hooks.device_caches import DeviceCaches
+from engine_hooks.core.device_caches import DeviceCaches
 from engine_hooks.service import free_port
 from ops.cpu import CpuPlatform
 from tests.service_helpers import SMALL, fill_distinct, segments_of, start_service, views

@@ -1,4 +1,4 @@
-"""The host-slot guard (``engine_hooks.host_slots``, in the engine core both front doors share): a CTM
+"""The host-slot guard (``engine_hooks.core.host_slots``, in the engine core both front doors share): a CTM
 whose process is replaced has new, empty swap space, so a swap-in from a slot written before must fail
 naming the rank and the slots, and never load wrong bytes (DESIGN §3.8, "Generations").
 
@@ -14,7 +14,7 @@ import pytest
 
 from cache_manager.cache_data import CacheStatus
 from cache_manager.cache_spec import CacheSpec
-from engine_hooks.errors import TaskFailedError
+from engine_hooks.core.errors import TaskFailedError
 from tests.fastdeploy_engine import FastDeployEngine
 from tests.pd_helpers import instance_pair
 from tests.rank_stream_helpers import restarted, wait_for

@@ -15,7 +15,7 @@ from cache_manager.ipc_signal import (IPC_TOKEN_ENV, IPCSignal, engine_ipc_suffi
                                       signal_segment_name)
 from cache_manager.layer_progress import LAYER_PROGRESS_SIGNAL
 from engine_hooks import CacheTransferService
-from engine_hooks.launcher import free_port
+from engine_hooks.core.launcher import free_port
 from ops.shm import SHM_DIR, SharedMemorySegment
 from tests.service_helpers import SMALL, segments_of, start_service
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine_hooks import CacheSpec, TaskFailedError
-from engine_hooks.layerwise import LayerWaitTimeout
+from engine_hooks.core.layerwise import LayerWaitTimeout
 from tests.helpers import host_blocks_match, kv_swap_rig
 from tests.service_helpers import process_gone, segments_of, start_service, views
 

@@ -8,9 +8,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cache_manager.cache_data import CacheStatus
 from cache_manager.cache_tasks import RankResult
-from engine_hooks.errors import TaskFailedError, TaskTimeoutError
-from engine_hooks.metrics import CacheMetrics, tiers_from_sources
-from engine_hooks.task_tracker import TaskTracker
+from engine_hooks.core.errors import TaskFailedError, TaskTimeoutError
+from engine_hooks.core.metrics import CacheMetrics, tiers_from_sources
+from engine_hooks.core.task_tracker import TaskTracker
 
 
 def result(task_id="t", rank=0, ok=True, bytes_moved=0, calls=None, failures=None):
@@ -78,7 +78,7 @@ def test_finished_tasks_are_counted_by_every_collection_flush_and_full_queue(met
     metrics.observe(task(CacheStatus.SWAP2GPU), "ok", 0.002, {0: result(bytes_moved=20)})
     metrics.flush()
     assert metrics.bytes_moved.labels("host_to_device")._value.get() == 20
-    monkeypatch.setattr("engine_hooks.metrics.MAX_UNCOUNTED", 3)
+    monkeypatch.setattr("engine_hooks.core.metrics.MAX_UNCOUNTED", 3)
     for _ in range(3):
         metrics.observe(task(CacheStatus.CTRL), "ok", 0.001, {})
     assert metrics.tasks.labels("control", "ok")._value.get() == 3

@@ -115,7 +115,7 @@ def test_npu_device_view_reports_its_element_size():
 
 def test_each_rank_s_caches_are_created_on_its_own_device(cpu, monkeypatch):
     from engine_hooks import CacheSpec
-    from engine_hooks.device_caches import DeviceCaches
+    from engine_hooks.core.device_caches import DeviceCaches
 
     bound = []
     monkeypatch.setattr(cpu, "set_device", bound.append)

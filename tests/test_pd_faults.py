@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cache_manager.cache_spec import CacheSpec
-from engine_hooks.errors import TaskFailedError, TaskTimeoutError
+from engine_hooks.core.errors import TaskFailedError, TaskTimeoutError
 from tests.pd_helpers import child_instance, link_child, local_digests, local_instance
 from transfer_factory.peer.te import listening_ports
 from tests.service_helpers import fill_distinct, process_gone

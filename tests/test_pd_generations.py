@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from cache_manager.cache_spec import CacheSpec
-from engine_hooks.errors import CachesClearedError, TaskFailedError
+from engine_hooks.core.errors import CachesClearedError, TaskFailedError
 from engine_hooks.pd import PrefillDecode
-from engine_hooks.pd_push import PushFailed
+from engine_hooks.pd.push import PushFailed
 from tests.pd_helpers import blocks_any, fill_any, link_both, pair_fixtures, pair_for
 
 SPEC = CacheSpec(num_layers=2, num_blocks=16, kv_heads=2, block_size=4, head_dim=8)

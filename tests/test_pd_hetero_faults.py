@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from cache_manager.cache_spec import CacheSpec
-from engine_hooks.errors import TaskFailedError
-from engine_hooks.pd_push import PushFailed
+from engine_hooks.core.errors import TaskFailedError
+from engine_hooks.pd.push import PushFailed
 from tests.pd_helpers import child_instance, link_child, local_instance
 from tests.service_helpers import fill_distinct, process_gone, views
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from cache_manager.cache_spec import CacheSpec
-from engine_hooks.errors import TaskFailedError
-from engine_hooks.pd_leases import LeaseReaper
+from engine_hooks.core.errors import TaskFailedError
+from engine_hooks.pd.leases import LeaseReaper
 from tests.pd_helpers import blocks_any, fill_any, link_both, pair_fixtures
 from transfer_factory.peer.handles import BOARD_WORDS, ExposureBoard, holds
 

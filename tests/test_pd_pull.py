@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cache_manager.cache_spec import CacheSpec
-from engine_hooks.errors import TaskFailedError
+from engine_hooks.core.errors import TaskFailedError
 from tests.pd_helpers import blocks_any, fill_any, link_both, pair_fixtures, pair_for
 from tests.service_helpers import block_bytes, fill_distinct
 

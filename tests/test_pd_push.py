@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cache_manager.cache_spec import CacheSpec
-from engine_hooks.layerwise import LayerWaitTimeout
+from engine_hooks.core.layerwise import LayerWaitTimeout
 from tests.pd_helpers import blocks_any, fill_any, link_both, pair_fixtures, pair_for
 
 SPEC = CacheSpec(num_layers=4, num_blocks=32, kv_heads=2, block_size=4, head_dim=8)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from cache_manager.cache_spec import CacheSpec
-from engine_hooks.errors import TaskFailedError
-from engine_hooks.pd_push import PushFailed
+from engine_hooks.core.errors import TaskFailedError
+from engine_hooks.pd.push import PushFailed
 from tests.pd_helpers import blocks_any, fill_any, link_both, pair_fixtures
 from tests.service_helpers import write_random_blocks
 
@@ -101,7 +101,7 @@ def test_a_ticket_carrying_another_reservations_slot_writes_nothing(linked):
 
 def test_a_prefill_instance_with_more_ranks_than_push_columns_is_refused_before_reserving():
     from cache_manager.layer_progress import PUSH_WRITERS
-    from engine_hooks.pd_push import check_writers
+    from engine_hooks.pd.push import check_writers
 
     check_writers("prefill-16", list(range(PUSH_WRITERS)))
     with pytest.raises(ValueError, match=f"at most {PUSH_WRITERS} prefill ranks"):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine_hooks.errors import RankDiedError, TaskTimeoutError
+from engine_hooks.core.errors import RankDiedError, TaskTimeoutError
 from engine_hooks.prefix_cache import CapacityError, TieredPrefixCache
 from tests.prefix_cache_helpers import (LATE_TIMEOUT, _AnsweredNotReleased, assert_accounted, block_bytes_all_ranks,
                                         file_service, fill, run, spy, stopped)

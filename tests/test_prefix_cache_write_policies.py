@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from engine_hooks.errors import TaskTimeoutError
+from engine_hooks.core.errors import TaskTimeoutError
 from engine_hooks.prefix_cache import WRITE_POLICIES, CapacityError, TieredPrefixCache
 from tests.prefix_cache_helpers import (LATE_TIMEOUT, SPEC, _AnsweredNotReleased, assert_accounted,
                                         block_bytes_all_ranks, file_service, run, spy, stopped)

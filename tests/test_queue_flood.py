@@ -20,7 +20,7 @@ import pytest
 from cache_manager.queue.local_link import MAX_BACKLOG_BYTES, MAX_BACKLOG_FRAMES
 from cache_manager.queue.server import EngineCacheQueueServer
 from cache_manager.queue.zmq_sockets import NOT_READING
-from engine_hooks.errors import RankDiedError
+from engine_hooks.core.errors import RankDiedError
 from tests.queue_flood_helpers import (ConnectFlood, percentile, rss_bytes, start_frame_flood, stop, swap_latencies,
                                        thread_cpu_seconds)
 from tests.queue_helpers import SECRET, Rank, wait_for

@@ -16,7 +16,7 @@ import pytest
 
 import engine_hooks.service as service_module
 from engine_hooks import RankDiedError, TaskFailedError
-from engine_hooks.rank_recovery import RestartPolicy
+from engine_hooks.core.rank_recovery import RestartPolicy
 from tests.rank_stream_helpers import (drop_one_result_frame, drop_one_task_frame, restarted, swap_is_bit_exact,
                                        wait_for)
 from tests.service_helpers import fill_distinct, process_gone, segments_of, start_service

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from engine_hooks import launcher
+from engine_hooks.core import launcher
 from ops.shm import SHM_DIR
 from tests.service_helpers import process_gone, segments_of, start_service
 
@@ -77,7 +77,7 @@ def test_shutdown_finishes_when_a_rank_outlives_sigkill(monkeypatch, caplog):
 
     thread = threading.Thread(target=shut, name="shutdown")
     try:
-        with caplog.at_level(logging.ERROR, logger="engine_hooks.launcher"):
+        with caplog.at_level(logging.ERROR, logger="engine_hooks.core.launcher"):
             thread.start()
             assert done.wait(60), "shutdown() did not return while rank 1 was stuck"
         assert errors == []

@@ -17,8 +17,8 @@ from cache_manager.cache_data import CacheStatus
 from cache_manager.cache_tasks import MAX_TASK_BUDGET_S, TaskFormatError, task_deadline, task_from_wire
 from cache_manager.queue import clocks, wire
 from cache_manager.rank.scheduler import TaskScheduler
-from engine_hooks.task_tracker import TaskTracker
-from engine_hooks.wire_tasks import swap_task
+from engine_hooks.core.task_tracker import TaskTracker
+from engine_hooks.core.wire_tasks import swap_task
 from tests.fault_helpers import _same
 from tests.service_helpers import block_bytes, fill_distinct, start_service, write_random_blocks
 

@@ -3,8 +3,8 @@ import pytest
 
 from cache_manager.cache_data import CacheStatus
 from cache_manager.queue.checks import rank_result_from_body
-from engine_hooks.errors import TaskFailedError
-from engine_hooks.task_tracker import TaskTracker
+from engine_hooks.core.errors import TaskFailedError
+from engine_hooks.core.task_tracker import TaskTracker
 
 
 def storage_task(event=CacheStatus.STORAGE2GPU):

@@ -28,7 +28,7 @@ rank's results up on the task channel's upstream, counters 1, 2, ...: no result 
 
 A live rank's stream that breaks for good (its local link closes, a frame of it was lost, a send
 to its connection finds it gone) is reported once to ``Registry.on_break``, and the rank is no
-longer reachable: the engine declares it down and restarts it (``engine_hooks.rank_recovery``).
+longer reachable: the engine declares it down and restarts it (``engine_hooks.core.rank_recovery``).
 The rank, seeing its own end break, exits with ``STREAM_BROKEN_EXIT``: alive but mute, every task
 sent to it would only time out.
 

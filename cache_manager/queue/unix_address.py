@@ -11,7 +11,7 @@ So the requested path is only a **name**: nothing is created at it, nothing ther
 or connected to.  The queue listens in its own private directory (0700, ours, fresh from
 ``mkdtemp``: the one that holds its secret file, ``CTM_QUEUE_SECRET_FILE``), on a socket named as
 the requested path's last component.  Handles in the engine's process find the server by the name
-(``engine_hooks.fastdeploy_queue``); a CTM maps ``--cache_queue_port N`` to
+(``engine_hooks.fastdeploy.queue``); a CTM maps ``--cache_queue_port N`` to
 ``fd_task_queue_N.sock`` as FastDeploy does and looks for it in the directory of the secret file it
 was handed, which it checks is a private directory of its own uid (``ctm_queue_endpoint``).
 """

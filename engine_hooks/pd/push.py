@@ -27,8 +27,8 @@ from typing import Callable
 from cache_manager.layer_progress import (FAILED, FENCED, PUSH_WRITERS, LayerwiseRef, reservation_word, unpack,
                                           wait_until)
 
-from .errors import CacheServiceError
-from .layerwise import LayerWaitTimeout, LayerwiseTasks
+from ..core.errors import CacheServiceError
+from ..core.layerwise import LayerWaitTimeout, LayerwiseTasks
 
 logger = logging.getLogger(__name__)
 

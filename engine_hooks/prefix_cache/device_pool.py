@@ -3,7 +3,7 @@
 A block is *free*, *pinned* (reference counted: by the requests that lease it and the storage
 writes that read it), *cached* (mapped to its block hash; an unpinned cached block sits in the
 LRU, from which allocation evicts), or, under write_back, an idle *bounce block*: kept apart to
-write host blocks back through (``engine_hooks.write_policy``).  Blocks the cache quarantines
+write host blocks back through (``engine_hooks.prefix_cache.write_policy``).  Blocks the cache quarantines
 for late tasks are simply in none of these until it gives them back with ``free``.
 """
 from __future__ import annotations

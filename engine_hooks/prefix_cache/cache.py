@@ -6,13 +6,13 @@ service; this class only decides what moves.
 
 * **Device tier**: a pool of ``num_device_blocks`` blocks.  A block in use by a request is
   pinned (reference counted); unpinned blocks keep their contents and sit in an LRU, from
-  which allocation evicts (``engine_hooks.device_pool``).
+  which allocation evicts (``engine_hooks.prefix_cache.device_pool``).
 * **Host tier**: ``num_host_blocks`` slots of the CTMs' swap space, with its own LRU.  An
   evicted device block is swapped out to host while the host tier has slots (the host LRU
   gives up its oldest entry when full), otherwise dropped.
 * **Storage tier**, by ``write_policy`` (``write_through``, ``write_through_selective``,
   ``write_back`` through kept-apart *bounce blocks*, or ``none``): a ``WritePolicy`` the cache holds
-  (``engine_hooks.write_policy``).
+  (``engine_hooks.prefix_cache.write_policy``).
   A write keeps the blocks it reads pinned until it completes *and* is released, so no write reads
   a reused block or wrong bytes.
 
@@ -22,7 +22,7 @@ blocks.  Anything not loaded, or whose load failed, is a miss the caller must co
 failed load falls back to recompute, never to wrong data.  ``commit`` registers the request's
 blocks, ``release`` submits the policy's writes and unpins them.
 
-**Late tasks** (DESIGN §3.8, ``engine_hooks.late_tasks``).  Until a failed or timed-out task's
+**Late tasks** (DESIGN §3.8, ``engine_hooks.core.late_tasks``).  Until a failed or timed-out task's
 ``future.released`` resolves, the device blocks and host slots it may still touch are *quarantined*:
 not free, in no LRU, in no lease (a failed load's request gets fresh blocks to compute into; a failed
 write's blocks simply stay pinned).  Released ones return on the next allocation, ``reap()`` or ``drain()``.
@@ -38,15 +38,15 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
+from ..core.late_tasks import Quarantine, bytes_moved, outcome
 from .device_pool import DevicePool
 from .host_tier import HostTier
-from .late_tasks import Quarantine, bytes_moved, outcome
 from .storage_writes import StorageWrite, StorageWrites
 from .tiers import TIERS, CapacityError, Lease, TierStats
 from .write_policy import WRITE_POLICIES, WritePolicy, bounce_blocks_for, check_write_policy
 
 if TYPE_CHECKING:
-    from .service import CacheTransferService
+    from ..service import CacheTransferService
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class TieredPrefixCache:
     def __init__(self, service: "CacheTransferService", num_device_blocks: int, num_host_blocks: int, *,
                  write_policy: str = "write_through", write_threshold: int = 2, use_storage: bool = True,
                  task_timeout: float = 30.0, release_wait: float | None = None, bounce_blocks: int | None = None):
-        """``write_policy``: one of ``WRITE_POLICIES`` (see ``engine_hooks.write_policy``);
+        """``write_policy``: one of ``WRITE_POLICIES`` (see ``engine_hooks.prefix_cache.write_policy``);
         ``write_threshold``: the hits after which ``write_through_selective`` writes a block.
         ``release_wait``: how long an allocation that cannot be served waits for in-flight writes and
         late tasks to give blocks back before it raises ``CapacityError`` (default ``task_timeout + 10``,

@@ -3,7 +3,7 @@
 A swap is ``(event_type, transfer_task_id, swap_node_ids, gpu_block_ids, cpu_block_ids)``; a storage
 task ``(STORAGE2GPU, ReadStorageTask)`` / ``(GPU2STORAGE, WriteStorageTask)`` (FastDeploy's or ours),
 or FastDeploy's older ``(event_type, task_id, keys, gpu_block_ids, timeout)``; a control request
-``(CTRL, ControlRequest)`` (``fastdeploy_control``).  The engine's own event member, ids and keys are
+``(CTRL, ControlRequest)`` (``engine_hooks.fastdeploy.control``).  The engine's own event member, ids and keys are
 kept in an ``Entry`` to report the done signal (or the control response) with.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from cache_manager.cache_data import CacheStatus
 from cache_manager.cache_tasks import ReadStorageTask as OurReadStorageTask
 
-from .fastdeploy_control import is_control_item, parse_control_request
+from .control import is_control_item, parse_control_request
 
 SWAPS = (int(CacheStatus.SWAP2CPU), int(CacheStatus.SWAP2GPU))
 STORAGE = (int(CacheStatus.GPU2STORAGE), int(CacheStatus.STORAGE2GPU))
@@ -70,7 +70,7 @@ ParsedTask = tuple[dict, Entry, float, float]  # (wire task, entry, timeout, gra
 def parse_transfer_task(item: Any, task_timeout: float, storage_grace: float,
                         control_timeout: float = 60.0) -> ParsedTask:
     """FastDeploy's transfer task ``item`` as (wire task, entry, timeout, grace); ``ValueError`` names
-    what is wrong with a malformed one (``fastdeploy_control.ControlRefused`` for a control request
+    what is wrong with a malformed one (``control.ControlRefused`` for a control request
     that is answered at once)."""
     if is_control_item(item):
         call = parse_control_request(item[1])

@@ -6,7 +6,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Iterable
 
-from .late_tasks import released_of
+from ..core.late_tasks import released_of
 
 
 @dataclass

@@ -19,7 +19,7 @@ from .errors import StartupError
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: engine_hooks/core/../..
 
 
 def free_port(host: str = "127.0.0.1") -> int:

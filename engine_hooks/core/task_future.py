@@ -14,7 +14,7 @@ from cache_manager.cache_tasks import RankResult
 
 
 class LayerWaiter(Protocol):
-    """What a layer-wise task's future delegates its per-layer methods to (``engine_hooks.layerwise``)."""
+    """What a layer-wise task's future delegates its per-layer methods to (``engine_hooks.core.layerwise``)."""
 
     def wait(self, layer: int, timeout: float | None = None) -> int: ...
 
@@ -76,7 +76,7 @@ class TaskFuture(Future):
 
     def wait_for_layer(self, layer: int, timeout: float | None = None) -> int:
         """Block until layer ``layer`` landed on every rank; the leading blocks it holds on all of
-        them (``engine_hooks.layerwise``)."""
+        them (``engine_hooks.core.layerwise``)."""
         return self._waiter().wait(layer, timeout)
 
     def layer_computed(self, count: int) -> None:

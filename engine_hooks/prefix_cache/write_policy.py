@@ -46,13 +46,13 @@ import logging
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable
 
+from ..core.late_tasks import bytes_moved, outcome
 from .device_pool import DevicePool
-from .late_tasks import bytes_moved, outcome
 from .storage_writes import StorageWrite, StorageWrites
 from .tiers import Lease, TierStats
 
 if TYPE_CHECKING:
-    from .service import CacheTransferService
+    from ..service import CacheTransferService
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from cache_manager.cache_data import CONTROL_COMMAND_PREFIX, CONTROL_METHODS, CacheStatus
 
-from .errors import RankDiedError, TaskFailedError, TaskTimeoutError
+from ..core.errors import RankDiedError, TaskFailedError, TaskTimeoutError
 
 OK, BAD_REQUEST, FAILED = 200, 400, 500
 MAX_KEPT = 1000  # answered responses nobody has read yet, newest kept

@@ -40,9 +40,9 @@ from transfer_factory.peer.handles import (BOARD_BYTES, BOARD_WORDS, DEFAULT_TTL
                                            TransferHandle)
 from transfer_factory.peer.heads import writers
 
-from .pd_leases import LeaseReaper
-from .pd_push import PushTarget, check_writers
-from .wire_tasks import block_ids
+from ..core.wire_tasks import block_ids
+from .leases import LeaseReaper
+from .push import PushTarget, check_writers
 
 logger = logging.getLogger(__name__)
 
