@@ -1,4 +1,4 @@
-"""What the FileStore tests share (tests/test_file_store.py, test_file_store_damage.py,
+"""What the FileStore tests share (tests/transfer_factory/file/: test_file_store.py, test_file_store_damage.py,
 test_file_store_capacity.py, test_file_store_directories.py, test_file_store_concurrency.py): the
 namespace, key and payload makers, a store opened without fsync, single-object put and get, and the
 ``store`` fixture (a test module binds it with ``store = store_fixture``)."""

@@ -1,5 +1,5 @@
-"""What the record tests share (tests/test_file_store_records.py, test_file_store_bulk.py): the
-namespace, keys of one kind of one block, and a store opened without fsync."""
+"""What the record tests share (tests/transfer_factory/file/: test_file_store_records.py,
+test_file_store_bulk.py): the namespace, keys of one kind of one block, and a store opened without fsync."""
 from transfer_factory.file.store import FileStore
 
 NS = "model-tp2-0123456789abcdef"

@@ -1,6 +1,6 @@
-"""What the segment tests share (tests/test_file_store_segments.py, test_file_store_processes.py):
-the payload each key always holds (also the preamble of their child processes' scripts, COMMON), a
-store opened without fsync, and reads that assert every hit is bit-exact."""
+"""What the segment tests share (tests/transfer_factory/file/: test_file_store_segments.py,
+test_file_store_processes.py): the payload each key always holds (also the preamble of their child
+processes' scripts, COMMON), a store opened without fsync, and reads that assert every hit is bit-exact."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
-"""Writes file_segment_v2.seg, the FileStore segment that tests/test_file_formats.py reads.
+"""Writes file_segment_v2.seg, the FileStore segment that
+tests/transfer_factory/file/test_file_formats.py reads.
 
 Run once (``python tests/vectors/make_file_segment.py``) and check the result in; regenerating it
 is only right for a deliberate format change, together with the hex literals in the test.  The

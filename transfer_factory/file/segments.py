@@ -3,7 +3,7 @@
 A segment file holds many objects, one **record** each, appended back to back from offset 0 with
 no padding.  A record is a 56-byte header, then the payload (all integers little-endian; the
 offsets are defined once, in csrc/records.h, and this module checks its structs against them;
-tests/test_file_formats.py holds both sides to fixed bytes)::
+tests/transfer_factory/file/test_file_formats.py holds both sides to fixed bytes)::
 
     offset size field
     0      4    magic          b"CTKR" a live record; b"CTKD" a dead one (deleted, or found corrupt)

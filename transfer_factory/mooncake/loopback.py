@@ -19,9 +19,9 @@ IPv6 one.  The table is restored when ``setup`` returns.  Nothing else in the pr
 touched: other libraries have their own import tables.
 
 If the table cannot be patched (not Linux ELF64, an unknown architecture, a library without a
-``bind`` import), ``loopback_binds`` logs a warning and Mooncake binds as it always does; the
-test ``tests/test_mooncake_faults.py::test_everything_listens_on_loopback_only`` reads
-``/proc/net/tcp*`` and fails in that case.
+``bind`` import), ``loopback_binds`` logs a warning and Mooncake binds as it always does; the test
+``tests/transfer_factory/mooncake/test_mooncake_faults.py::test_everything_listens_on_loopback_only``
+reads ``/proc/net/tcp*`` and fails in that case.
 """
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ def fd(tmp_path_factory):
 
 
 def test_the_secret_derives_from_the_authkey(fd):
-    # salted per queue (tests/test_facade_secret.py); the CTMs read it from the file the environment names
+    # salted per queue (test_facade_secret.py); the CTMs read it from the file the environment names
     path = os.environ[wire.SECRET_FILE_ENV]
     assert fd.queue.secret_env() == {wire.SECRET_FILE_ENV: path} and wire.SECRET_ENV not in os.environ
     assert open(path).read() == fd.queue._core.secret.hex()

@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_child(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -164,7 +164,7 @@ def fuzz_kernel_checks(c):
 
 def test_fuzzed_ids_copy_exactly_or_raise_value_error_never_crash():
     out = run_child("""
-        import tests.test_block_copy_checks as t
+        import tests.ops.test_block_copy_checks as t
         t.fuzz_kernel_checks()
         print("fuzzed")
     """, timeout=600)

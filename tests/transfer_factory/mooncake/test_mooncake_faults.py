@@ -36,7 +36,7 @@ from scripts.local_mooncake_master import LocalMooncakeMaster  # noqa: E402
 from transfer_factory.mooncake.store import MooncakeStore  # noqa: E402
 
 log = logging.getLogger(__name__)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SIZES = {"global_segment_size": 64 << 20, "local_buffer_size": 16 << 20}
 EXIT_BUDGET_S = 10.0
 MC_ENV = ("MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS", "MC_STORE_CLIENT_SETUP_RETRIES")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED_TRACE = os.path.join(REPO, "..", "shared", "traces", "synthetic_trace.jsonl")
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 

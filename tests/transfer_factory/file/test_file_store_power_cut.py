@@ -26,7 +26,7 @@ from transfer_factory.file.store import FileStore
 from transfer_factory.file.store_io import address_of
 from transfer_factory.kvcache_storage import OK
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 NAMESPACE, RANK = "powercut", 0
 OBJECT_BYTES = 16 << 10
 KEYS = [f"{NAMESPACE}/blk{i:04d}/{RANK}/{kind}" for i in range(4) for kind in ("k", "v")]   # 8 objects
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.skipif(
 CHILD = r"""
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
-from tests.test_file_store_power_cut import KEYS, NAMESPACE, RANK, payloads
+from tests.transfer_factory.file.test_file_store_power_cut import KEYS, NAMESPACE, RANK, payloads
 from transfer_factory.file.store import FileStore
 from transfer_factory.file.store_io import address_of
 real = os.fdatasync

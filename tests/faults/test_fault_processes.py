@@ -21,7 +21,7 @@ from tests.fault_helpers import TIMEOUT, _deadlines_still_fire, _same, _wait_for
 from tests.service_helpers import (block_bytes, fill_distinct, process_gone, segments_of, start_service, views,
                                   write_random_blocks)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---------------------------------------------------------------- order of dependent swaps

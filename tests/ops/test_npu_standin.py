@@ -67,7 +67,7 @@ def test_check_npu_script_verifies_round_trips_over_the_standin(tmp_path):
     import os
     import subprocess
 
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     (tmp_path / "acl").mkdir()
     env = {**os.environ, "PYTHONPATH": STANDINS, "ACL_STANDIN_DIR": str(tmp_path / "acl")}
     proc = subprocess.run([sys.executable, str(repo / "scripts" / "check_npu.py"), "--blocks", "16",

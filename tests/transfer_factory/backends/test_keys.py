@@ -7,7 +7,7 @@ import pytest
 
 from transfer_factory.keys import Namespace, chain_hash_ids, chain_hashes, storage_key
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 NS = dict(model_id="org/model", model_version="v1", tp_size=2, cache_dtype="bfloat16", block_size=4, num_layers=8)
 
 

@@ -1,4 +1,4 @@
-"""A rank process for tests/test_pd_datadist.py (no tests here): it owns device caches on the pyACL
+"""A rank process for test_pd_datadist.py (no tests here): it owns device caches on the pyACL
 stand-in and a DataDistEndpoint, and runs the test's commands sent over a pipe.  Started with the
 'spawn' method (ACL contexts do not survive a fork); ``Agent`` is the test's handle on it."""
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 from cache_manager.layer_progress import pack
 from ops.shm import SharedMemorySegment
 from tests.npu_helpers import STANDINS, forget_standin_modules
-from tests.test_pd_datadist_agent import Agent, AgentError
+from tests.transfer_factory.peer.test_pd_datadist_agent import Agent, AgentError
 from transfer_factory.peer.handles import BOARD_BYTES, ExposureBoard, holds
 
 KINDS = {"key": 64, "value": 64, "scale": 16}  # bytes of one block of one layer

@@ -23,7 +23,7 @@ from transfer_factory.file.segments import (
 from transfer_factory.file.store import FileStore
 from transfer_factory.kvcache_storage import NOT_FOUND
 
-VECTORS = Path(__file__).resolve().parent / "vectors"
+VECTORS = Path(__file__).resolve().parents[2] / "vectors"
 SEGMENT = VECTORS / "file_segment_v2.seg"
 SEGMENT_NAME = "0000000000000001.00000001.seg"
 NS = "model-tp2-0123456789abcdef"

@@ -55,7 +55,7 @@ def test_swap_result_has_the_design_shape(svc):
 
 def test_swaps_of_both_kinds_in_flight_together_are_exact(svc):
     # That unrelated tasks really overlap, and related ones wait, is shown in
-    # tests/test_fault_matrix.py::test_unrelated_tasks_overlap_while_related_ones_wait.
+    # tests/faults/test_fault_matrix.py::test_unrelated_tasks_overlap_while_related_ones_wait.
     fill_distinct(svc, seed=3)
     v = views(svc)
     svc.swap_to_cpu([8, 9, 10], [4, 5, 6]).result(timeout=20)

@@ -240,7 +240,7 @@ def test_copy_falls_back_to_the_caller_when_no_thread_can_start():
     4 threads still completes, on the calling thread alone.  A fresh interpreter, not a fork:
     a forked child inherits the parent's dead threads' stacks, and reuses them."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", _NO_THREADS_CHILD], cwd=root, env=env, timeout=120,
                           capture_output=True, text=True)
     assert proc.returncode == 0, {2: "a worker started despite the limit (the test proves nothing)",

@@ -24,7 +24,7 @@ from tests.npu_helpers import (blocks, clear, fill, forget_standin_modules, left
 from tests.service_helpers import SMALL, process_gone, start_service
 from transfer_factory.keys import chain_hash_ids
 
-REPO = str(Path(__file__).resolve().parent.parent)
+REPO = str(Path(__file__).resolve().parents[3])
 
 
 @pytest.fixture(params=["cpu", "npu"])

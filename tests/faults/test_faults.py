@@ -21,7 +21,7 @@ from engine_hooks.service import free_port
 from ops.cpu import CpuPlatform
 from tests.service_helpers import SMALL, fill_distinct, segments_of, start_service, views
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 @pytest.fixture(scope="module")
 def svc():

@@ -4,7 +4,7 @@
 hashes and the token ids, as the engine's tasks do, so hash- and token-addressed backends run
 the same rows.  A row a backend cannot honour is reported with its reason (``Harness.cannot``).
 
-``pytest tests/test_backend_conformance.py`` runs it alone (about two minutes).
+``pytest tests/transfer_factory/backends/test_backend_conformance.py`` runs it alone (about two minutes).
 """
 from __future__ import annotations
 

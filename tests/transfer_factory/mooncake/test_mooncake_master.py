@@ -25,7 +25,7 @@ from tests.mooncake_helpers import SMALL, Buffers, keys_for  # noqa: E402
 _clean_mooncake_env = mooncake_helpers._clean_mooncake_env  # the shared fixture, under its name here
 
 HANG_BOUND_S = 30.0      # a hang check, not a speed check
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 # ---- master failures ---------------------------------------------------------------------------

@@ -140,7 +140,8 @@ def test_refused_start_leaves_the_squatters_names(tmp_path, monkeypatch):
     from cache_manager.ipc_signal import ipc_suffix, signal_segment_name
 
     port, token = launcher.free_port(), "0123456789abcdef"
-    # a squatter who knows the engine's token (it is random: see tests/test_ipc_names.py for one who does not)
+    # a squatter who knows the engine's token (it is random: see tests/cache_manager/ctm/test_ipc_names.py for one
+    # who does not)
     monkeypatch.setattr("engine_hooks.service.new_ipc_token", lambda: token)
     # the engine's last signal (so its earlier ones are created, then must go) and names under
     # the platform's prefix (what the orphan cleanup deletes by prefix)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from tests.fault_helpers import GRACE, PLUGIN_ENV, TIMEOUT, Latch, _same, _wait_for
-from tests.test_file_store_full_disk import FS_BYTES, PAGE, files_under, fill, free_bytes
+from tests.transfer_factory.file.test_file_store_full_disk import FS_BYTES, PAGE, files_under, fill, free_bytes
 from transfer_factory.file.store import FileStore
 from transfer_factory.keys import storage_key
 from tests.service_helpers import block_bytes, fill_distinct, start_service, views, write_random_blocks

@@ -9,7 +9,8 @@ loopback, each instance its own CTM processes whose Mooncake clients mount their
   unbounded store, and session routing keeps a conversation on one instance; with a kill it counts
   the lost blocks and leaves nothing behind.
 
-The file runs alone (``pytest tests/test_multi_instance.py``) in about a minute on two cores.
+The file runs alone (``pytest tests/transfer_factory/mooncake/test_multi_instance.py``) in about a minute on
+two cores.
 """
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ pytest.importorskip("mooncake.store")
 
 from engine_hooks import CacheSpec  # noqa: E402
 from tests.service_helpers import fill_distinct, process_gone, start_service, views  # noqa: E402
-from tests.test_replay import REPLAY, REPO, independent_ceiling, private_env, run_replay, trace_slice  # noqa: E402
+from tests.scripts.test_replay import REPLAY, REPO, independent_ceiling, private_env, run_replay, trace_slice  # noqa: E402
 from transfer_factory.keys import chain_hash_ids  # noqa: E402
 from scripts.local_mooncake_master import LocalMooncakeMaster  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import replay_instances  # noqa: E402
 from replay_instance_kill import PoolInspector, shm_leftovers  # noqa: E402

@@ -13,7 +13,7 @@ from cache_manager.ipc_signal import IPCSignal
 from ops.shm import list_segments
 from tests.helpers import cache_bytes, fill_random
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SHAPE = [8, 2, 4, 16]
 BLOCK_BYTES = 2 * 4 * 16 * 2
 
