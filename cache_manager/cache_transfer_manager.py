@@ -52,7 +52,8 @@ from cache_manager.cache_data import (
     CacheStatus,
 )
 from cache_manager.rank.peer.links import PeerLinks, peer_command
-from cache_manager.rank.peer.transfers import STUCK_TRANSFER_EXIT, PeerTransfers
+from cache_manager.rank.peer.late import STUCK_TRANSFER_EXIT
+from cache_manager.rank.peer.transfers import PeerTransfers
 from cache_manager.cache_tasks import (ControlTask, PullTask, PushTask, Outcome, RankResult, ReadStorageTask, SwapTask, TaskFormatError, task_deadline,
                           task_from_wire)
 from cache_manager.ctm_flags import NPU_COPY_ENGINE_DEFAULT, parse_args, spec_from_args

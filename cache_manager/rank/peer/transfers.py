@@ -19,34 +19,26 @@ sizes and every transport.
   failure publish FAILED, so the decode side knows this rank writes no more.
 
 A Transfer Engine batch still running at the task's deadline cannot be cancelled: the rank answers
-0 blocks and keeps the blocks unreleased (``Outcome.still_running``) until the batch has ended.  A
-batch still running ``late_limit`` seconds later is stuck: the rank then ends its process
-(``on_stuck``), the only way to be sure no byte of it lands, and the engine restarts it.  At close the
-rank waits for late batches the same way before any memory is unregistered.
+0 blocks and keeps the blocks unreleased (``Outcome.still_running``) until the batch has ended, or
+ends itself once it is stuck (``late.LateBatches``).
 """
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from ops.layout import Side, describe_caches, device_side
 from transfer_factory.peer.handles import GENERATION_WORD, NO_GENERATION, TransferHandle, holds
-from transfer_factory.peer.te import Inflight
 
 from cache_manager.cache_tasks import Outcome, PullTask, PushTask
 from cache_manager.layer_progress import (FAILED, FENCED, LayerPublisher, pack, pushed_index, reservation_word,
                                           ticket_index)
 from cache_manager.rank.peer.channel import InstanceLink, PeerError, PeerLink
+from cache_manager.rank.peer.late import LateBatches
 from cache_manager.rank.peer.links import PeerLinks
 from cache_manager.rank.resources import RankResources
-
-LATE_LIMIT_ENV = "CTM_PD_LATE_LIMIT_S"
-DEFAULT_LATE_LIMIT_S = 60.0  # how long past its deadline a transfer may still run before the rank ends
-STUCK_TRANSFER_EXIT = 4  # the CTM's exit status when it ends itself over a stuck transfer
 
 
 class PeerTransfers:
@@ -56,12 +48,7 @@ class PeerTransfers:
         self._resources = resources
         self._log = log
         self._rank, self._tp = links.rank, links.tp
-        self._on_stuck = on_stuck
-        self.late_limit = float(os.environ.get(LATE_LIMIT_ENV, DEFAULT_LATE_LIMIT_S)) if late_limit is None \
-            else late_limit
-        # Waits for Transfer Engine batches that outlived their task (they cannot be cancelled):
-        # their destination blocks are released only once they end.
-        self._late = ThreadPoolExecutor(2, thread_name_prefix="pd-late")
+        self._late = LateBatches(on_stuck, late_limit)  # transfers that outlived their task
         self._device_sides: dict[int, tuple[Any, Side]] = {}  # id(group) -> (group, its device side)
         self._sides_of: list | None = None  # the groups list those sides describe
 
@@ -86,7 +73,7 @@ class PeerTransfers:
         if inflight is not None:  # bytes may still land in the destination: release it later
             self._log.error("pull %s from %s: still running at its deadline; its blocks stay held until it ends",
                             task.task_id, link.name)
-            return Outcome(value=[], still_running=self._late.submit(self._wait_late, inflight))
+            return Outcome(value=[], still_running=self._late.watch(inflight))
         if not self._holds(link.board, handle, deadline):
             raise PeerError(f"{link.name}: request {handle.req_id!r} was retracted or its engine is gone "
                             "during the pull; no block counts")
@@ -128,8 +115,8 @@ class PeerTransfers:
                 if inflight is not None:  # may still land: FAILED only once it ended
                     self._log.error("push %s to %s: layers [%d, %d) still being written at its deadline",
                                     task.task_id, link.name, step.start, step.stop)
-                    return Outcome(value=[], bytes_moved=moved, still_running=self._late.submit(
-                        self._fail_push_late, inflight, link, task))
+                    return Outcome(value=[], bytes_moved=moved, still_running=self._late.watch(
+                        inflight, lambda: self._fail_push_late(link, task)))
                 self._check_generation(link, deadline, f"while layers [{step.start}, {step.stop}) were pushed")
                 self._publish(link, task, step.stop, deadline)
         except BaseException:
@@ -140,8 +127,8 @@ class PeerTransfers:
             raise
         return Outcome(value=list(task.dst_block_ids), bytes_moved=moved)
 
-    def _fail_push_late(self, inflight: Inflight, link: InstanceLink, task: PushTask) -> None:
-        self._wait_late(inflight)
+    def _fail_push_late(self, link: InstanceLink, task: PushTask) -> None:
+        """A push's late batch ended: only now may the decode side hear this rank writes no more."""
         try:
             self._publish(link, task, FAILED, time.monotonic() + 5.0)
         except Exception as exc:
@@ -197,17 +184,7 @@ class PeerTransfers:
             cached = self._device_sides[id(group)] = (group, device_side(infos, block_bytes))
         return cached[1]
 
-    # ------------------------------------------------------------------ late batches
-    def _wait_late(self, inflight: Inflight) -> None:
-        """Until the batches end; past ``late_limit`` they are stuck and the rank ends (``on_stuck``)."""
-        limit = time.monotonic() + self.late_limit
-        while not inflight.wait(min(1.0, max(0.0, limit - time.monotonic()))):
-            if time.monotonic() >= limit:
-                self._on_stuck(f"{len(inflight.batch_ids)} Transfer Engine batches still running "
-                               f"{self.late_limit:g}s past their task's deadline")
-                return
-
     def close(self) -> None:
-        """Wait, bounded by ``late_limit``, for late batches before the memory they move is
-        unregistered (``PeerLinks.close`` comes next); ``on_stuck`` if they do not end."""
-        self._late.shutdown(wait=True)
+        """Wait for late batches (each bounded) before the memory they move is unregistered
+        (``PeerLinks.close`` comes next)."""
+        self._late.close()
