@@ -127,22 +127,23 @@ class ScratchWords:
         return int(self.words.ctypes.data)
 
     @contextmanager
-    def take(self) -> Iterator[np.ndarray]:
+    def take(self, count: int = 1) -> Iterator[list[np.ndarray]]:
+        """``count`` scratch words (one-word arrays), each for one word of one transfer."""
         with self._lock:
-            if not self._free:
-                raise PeerTransferError(f"every one of {len(self.words)} board-word scratch words is held by a "
-                                        "transfer that outlived its deadline")
-            index = self._free.pop()
+            if len(self._free) < count:
+                raise PeerTransferError(f"fewer than {count} of {len(self.words)} board-word scratch words are free: "
+                                        "the others are held by transfers that outlived their deadline")
+            indices = [self._free.pop() for _ in range(count)]
         lost = False
         try:
-            yield self.words[index:index + 1]
+            yield [self.words[i:i + 1] for i in indices]
         except WordStillInFlight:
             lost = True
             raise
         finally:
             if not lost:
                 with self._lock:
-                    self._free.append(index)
+                    self._free.extend(indices)
 
 
 class TransferEngineEndpoint:
@@ -277,11 +278,14 @@ class TransferEngineEndpoint:
             time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
             wait = min(POLL_MAX_S, wait * 2)
 
-    def read_word(self, peer: str, peer_address: str, scratch: np.ndarray, remote: int, deadline: float) -> int:
-        """One 8-byte word of the peer's registered memory (its exposure board)."""
-        if self.transfer(peer, peer_address, False, [int(scratch.ctypes.data)], [remote], [8], deadline) is not None:
-            raise WordStillInFlight(f"peer {peer} ({peer_address}): no answer for its exposure board in time")
-        return int(scratch.view(np.int64)[0])
+    def read_words(self, peer: str, peer_address: str, scratch: list[np.ndarray], remotes: list[int],
+                   deadline: float) -> list[int]:
+        """8-byte words of the peer's registered memory (its boards), all in one transfer, each into
+        its own scratch word."""
+        local = [int(word.ctypes.data) for word in scratch]
+        if self.transfer(peer, peer_address, False, local, list(remotes), [8] * len(local), deadline) is not None:
+            raise WordStillInFlight(f"peer {peer} ({peer_address}): no answer for its board words in time")
+        return [int(word.view(np.int64)[0]) for word in scratch]
 
     def write_word(self, peer: str, peer_address: str, scratch: np.ndarray, remote: int, value: int,
                    deadline: float) -> None:

@@ -132,6 +132,11 @@ class PeerChannel(ABC):
     def board_word(self, peer: PeerLink, index: int, deadline: float) -> int:
         """Word ``index`` of the peer engine's exposure board, read after every byte moved so far."""
 
+    def board_words(self, peer: PeerLink, indices: list[int], deadline: float) -> list[int]:
+        """Words ``indices`` of the peer engine's exposure board, each read after every byte moved so
+        far (a transport may read them in one round trip)."""
+        return [self.board_word(peer, index, deadline) for index in indices]
+
     @abstractmethod
     def layer_board_word(self, peer: PeerLink, index: int, deadline: float) -> int | None:
         """Word ``index`` of the peer engine's layer board, read after every byte moved so far;

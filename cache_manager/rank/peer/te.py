@@ -145,19 +145,22 @@ class TransferEngineChannel(PeerChannel):
         return sum(sum(job[4]) for job in jobs), inflight
 
     def board_word(self, peer: PeerLink, index: int, deadline: float) -> int:
-        return self._read(peer, peer.state.board + 8 * index, deadline)
+        return self._read(peer, [peer.state.board + 8 * index], deadline)[0]
+
+    def board_words(self, peer: PeerLink, indices: list[int], deadline: float) -> list[int]:
+        return self._read(peer, [peer.state.board + 8 * i for i in indices], deadline)  # one round trip
 
     def layer_board_word(self, peer: PeerLink, index: int, deadline: float) -> int | None:
-        return self._read(peer, peer.state.layer_board + 8 * index, deadline)
+        return self._read(peer, [peer.state.layer_board + 8 * index], deadline)[0]
 
     def publish(self, peer: PeerLink, index: int, value: int, deadline: float) -> None:
         with self._word_lock(peer), self._scratch.take() as scratch:
-            self.te.write_word(peer.name, peer.state.address, scratch, peer.state.layer_board + 8 * index, value,
+            self.te.write_word(peer.name, peer.state.address, scratch[0], peer.state.layer_board + 8 * index, value,
                                deadline)
 
-    def _read(self, peer: PeerLink, remote: int, deadline: float) -> int:
-        with self._word_lock(peer), self._scratch.take() as scratch:
-            return self.te.read_word(peer.name, peer.state.address, scratch, remote, deadline)
+    def _read(self, peer: PeerLink, remotes: list[int], deadline: float) -> list[int]:
+        with self._word_lock(peer), self._scratch.take(len(remotes)) as scratch:
+            return self.te.read_words(peer.name, peer.state.address, scratch, remotes, deadline)
 
     def _word_lock(self, peer: PeerLink) -> threading.Lock:
         """Word transfers to one peer go one at a time (a late one cannot land over a newer one);

@@ -35,7 +35,7 @@ from transfer_factory.peer.handles import GENERATION_WORD, NO_GENERATION, Transf
 from cache_manager.cache_tasks import Outcome, PullTask, PushTask
 from cache_manager.layer_progress import (FAILED, FENCED, LayerPublisher, pack, pushed_index, reservation_word,
                                           ticket_index)
-from cache_manager.rank.peer.channel import InstanceLink, PeerError, PeerLink
+from cache_manager.rank.peer.channel import InstanceLink, PeerError
 from cache_manager.rank.peer.late import LateBatches
 from cache_manager.rank.peer.links import PeerLinks
 from cache_manager.rank.resources import RankResources
@@ -64,8 +64,7 @@ class PeerTransfers:
         layers = range(*(task.layers or (0, self._resources.num_layers)))
         if layers.stop > self._resources.num_layers:
             raise ValueError(f"pull layers [{layers.start}, {layers.stop}) past this model's {self._resources.num_layers}")
-        self._check_generation(link, deadline, "before the pull")
-        if not self._holds(link.board, handle, deadline):
+        if not self._still_exposed(link, handle, deadline, "before the pull"):
             raise PeerError(f"{link.name}: handle of request {handle.req_id!r} is no longer exposed")
         sides = [(g.kind, self._local_side(g, task.placement)) for g in self._resources.groups]
         moved, inflight = link.channel.move(link, link.pull_routes, sides, True, task.dst_block_ids,
@@ -74,10 +73,9 @@ class PeerTransfers:
             self._log.error("pull %s from %s: still running at its deadline; its blocks stay held until it ends",
                             task.task_id, link.name)
             return Outcome(value=[], still_running=self._late.watch(inflight))
-        if not self._holds(link.board, handle, deadline):
+        if not self._still_exposed(link, handle, deadline, "during the pull"):
             raise PeerError(f"{link.name}: request {handle.req_id!r} was retracted or its engine is gone "
                             "during the pull; no block counts")
-        self._check_generation(link, deadline, "during the pull")
         return Outcome(value=list(task.dst_block_ids), bytes_moved=moved)
 
     # ------------------------------------------------------------------ push
@@ -99,7 +97,7 @@ class PeerTransfers:
         try:
             self._publish(link, task, 0, deadline)  # started: a cancel from now on waits for this rank
             self._check_ticket(link, task, deadline)
-            self._check_generation(link, deadline, "before the push")
+            self._check_generation(link, None, "before the push", deadline)
             # Layer by layer as the engine computes them; a push of computed blocks moves every
             # layer in one copy per kind (one batch) and publishes once.
             layerwise = compute is not None and compute.ref.await_compute
@@ -117,7 +115,8 @@ class PeerTransfers:
                                     task.task_id, link.name, step.start, step.stop)
                     return Outcome(value=[], bytes_moved=moved, still_running=self._late.watch(
                         inflight, lambda: self._fail_push_late(link, task)))
-                self._check_generation(link, deadline, f"while layers [{step.start}, {step.stop}) were pushed")
+                self._check_generation(link, None, f"while layers [{step.start}, {step.stop}) were pushed",
+                                       deadline)
                 self._publish(link, task, step.stop, deadline)
         except BaseException:
             try:
@@ -141,10 +140,14 @@ class PeerTransfers:
                              pack(task.target.seq, value), deadline)
 
     # ------------------------------------------------------------------ checks
-    def _holds(self, peer: PeerLink, handle: TransferHandle, deadline: float) -> bool:
-        """Whether the handle's word (read after the bytes) still says LIVE, and the peer's engine
-        still runs where the channel can tell."""
-        return holds(peer.channel.board_word(peer, handle.slot, deadline), handle) and peer.channel.peer_alive(peer)
+    def _still_exposed(self, link: InstanceLink, handle: TransferHandle, deadline: float, when: str) -> bool:
+        """Whether the handle's word still says LIVE and the peer's engine still runs (where the
+        channel can tell); raises if its caches are no longer the link's generation.  Both words in
+        one read, after every byte moved so far."""
+        peer = link.board
+        generation, word = peer.channel.board_words(peer, [GENERATION_WORD, handle.slot], deadline)
+        self._check_generation(link, generation, when)
+        return holds(word, handle) and peer.channel.peer_alive(peer)
 
     def _check_ticket(self, link: InstanceLink, task: PushTask, deadline: float) -> None:
         """The decode side still accepts this push into exactly these blocks: its ticket word equals
@@ -157,11 +160,13 @@ class PeerTransfers:
                    else "not the reservation the decode side made (other blocks, or another reservation's slot)")
             raise PeerError(f"{link.name}: push ticket of slot {task.target.slot} is {why}; nothing more is written")
 
-    def _check_generation(self, link: InstanceLink, deadline: float, when: str) -> None:
-        """The peer engine's caches are still those its descriptor named (its board's generation
-        word, read after every byte moved so far); else nothing of this transfer counts."""
+    def _check_generation(self, link: InstanceLink, now: int | None, when: str, deadline: float = 0.0) -> None:
+        """The peer engine's caches are still those its descriptor named: its board's generation word
+        ``now`` (read here when None, after every byte moved so far) is the link's; else nothing of
+        this transfer counts."""
         board = link.board
-        now = board.channel.board_word(board, GENERATION_WORD, deadline)
+        if now is None:
+            now = board.channel.board_word(board, GENERATION_WORD, deadline)
         if now != board.descriptor.generation:
             state = "closed its prefill/decode side or is replacing its caches" if now == NO_GENERATION else \
                 f"replaced its caches (generation {board.descriptor.generation} -> {now})"
