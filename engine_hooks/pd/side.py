@@ -118,14 +118,21 @@ class PrefillDecode:
         return answers[0]
 
     def _watch_writers(self, peer_id: str, ranks: list) -> None:
-        """Watch the peer's rank processes (same host only: a pid means nothing on another host)."""
+        """Watch the peer's rank processes (same host only: a pid means nothing on another host).
+        A pid is watched only if it is that rank's CTM of that engine (its command line says so):
+        a descriptor naming another process must not release a target while its writer still runs."""
         for watch in self._writer_procs.pop(peer_id, {}).values():
             watch.close()
         procs = {}
         for rank, wire in enumerate(ranks):
             pid = wire.get("pid") if isinstance(wire, dict) else None
-            if type(pid) is int and pid > 0:
-                procs[rank] = ProcessWatch(pid)
+            engine = wire.get("transports", {}).get("ipc", {}).get("engine_pid") if isinstance(wire, dict) else None
+            if type(pid) is int and pid > 0 and _is_rank_ctm(pid, rank, engine):
+                watch = ProcessWatch(pid)
+                if _is_rank_ctm(pid, rank, engine):  # still that process once its pidfd is open
+                    procs[rank] = watch
+                else:
+                    watch.close()
         self._writer_procs[peer_id] = procs
 
     def unlink(self, peer_id: str) -> bool:
@@ -233,3 +240,18 @@ class PrefillDecode:
         self.board.words = np.zeros(BOARD_WORDS, dtype=np.int64)
         self._segment.close()
         self._segment.unlink()
+
+
+def _is_rank_ctm(pid: int, rank: int, engine_pid: object) -> bool:
+    """Whether process ``pid`` is the CTM of rank ``rank`` launched by engine ``engine_pid``."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+
+    def flag(name: str) -> str | None:
+        return argv[argv.index(name) + 1] if name in argv[:-1] else None
+
+    return ("cache_manager.cache_transfer_manager" in argv and flag("--rank") == str(rank)
+            and flag("--engine_pid") == str(engine_pid))

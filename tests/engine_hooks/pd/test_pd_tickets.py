@@ -7,6 +7,8 @@ Before the fence: a ticket pushed again after it landed and was closed overwrote
 reused; a cancel raced a queued push and lost 7 times in 10; a ticket naming blocks 320, 321 for a
 reservation of 310, 311 wrote 320, 321 and reported 310, 311 landed with stale bytes.
 """
+import time
+
 import numpy as np
 import pytest
 
@@ -106,3 +108,30 @@ def test_a_prefill_instance_with_more_ranks_than_push_columns_is_refused_before_
     check_writers("prefill-16", list(range(PUSH_WRITERS)))
     with pytest.raises(ValueError, match=f"at most {PUSH_WRITERS} prefill ranks"):
         check_writers("prefill-32", list(range(2 * PUSH_WRITERS)))
+
+
+def test_a_descriptor_naming_another_process_as_a_writer_never_releases_a_target_early(pair):
+    """Only a writer's own CTM is watched: a descriptor naming some other process (a router's bug)
+    whose death would otherwise count as the writer's must not release the reserved blocks."""
+    import subprocess
+    import sys
+
+    p_svc, d_svc, p, d = pair
+    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        peer = p.descriptor()
+        peer["ranks"] = [{**rank, "pid": decoy.pid} for rank in peer["ranks"]]
+        d.link(peer, transport="ipc")
+        target = d.receive_push("prefill-0", [30], timeout=20)
+        decoy.kill()
+        decoy.wait(10)
+        time.sleep(0.2)
+        assert not target.released, "a target was released by the death of a process that is not its writer"
+        assert target.cancel()
+    finally:
+        decoy.kill()
+        decoy.wait(10)
+    link_both(p, d, "ipc")
+    target = d.receive_push("prefill-0", [30], timeout=20)
+    assert target.writers and not target.released  # the real CTMs are watched, alive, not yet written
+    assert target.cancel()
