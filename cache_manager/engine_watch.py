@@ -22,7 +22,7 @@ import time
 from typing import Iterable, Mapping
 
 from ops.platform import Platform
-from ops.procs import ProcessWatch
+from ops.procs import ProcessWatch, process_argv
 
 from cache_manager.ipc_signal import IPCSignal, unlink_if_same
 from cache_manager.queue.unix_address import private_dir_problem
@@ -35,15 +35,16 @@ SHELLS = ("sh", "bash", "dash", "zsh", "ksh", "ash", "busybox")
 def shell_launcher(ppid: int) -> int | None:
     """The process that started this one through ``<shell> -c`` (FastDeploy's ``Popen(cmd,
     shell=True)``): the parent shell's parent; None when the parent is no such shell."""
+    argv = process_argv(ppid)
     try:
-        with open(f"/proc/{ppid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
         with open(f"/proc/{ppid}/stat") as f:
             grandparent = int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return None
-    name = os.path.basename(argv[0].decode(errors="replace")).lstrip("-")
-    if name in SHELLS and b"-c" in argv[1:3] and grandparent > 1:
+    if argv is None:
+        return None
+    name = os.path.basename(argv[0]).lstrip("-")
+    if name in SHELLS and "-c" in argv[1:3] and grandparent > 1:
         return grandparent
     return None
 

@@ -15,6 +15,16 @@ from typing import Sequence
 logger = logging.getLogger(__name__)
 
 
+def process_argv(pid: int) -> list[str] | None:
+    """Process ``pid``'s command line as the kernel keeps it (``/proc/<pid>/cmdline``), or None when
+    it cannot be read (gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     """True while a process with this pid exists (one we may not signal counts as alive)."""
     if pid <= 0:

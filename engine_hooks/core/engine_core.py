@@ -179,12 +179,11 @@ class EngineCore:
         """A new process of ``rank`` joined the queue (its I/O thread; never blocks): its swap space
         is new and empty, and it has not heard a pause sent before."""
         logger.debug("rank %d (pid %d) joined: host slots written before are lost on it", rank, pid)
-        self.host_slots.rank_restarted(rank)
-        with self._pause_lock:
-            self._pause.heard.discard(rank)
+        self.rank_replaced(rank)
 
     def rank_replaced(self, rank: int) -> None:
-        """The front door stopped ``rank``'s process to start a new one: its swap space goes with it."""
+        """``rank``'s process was (or is being) replaced: its swap space goes with it, and the new
+        process has not heard a pause sent before."""
         self.host_slots.rank_restarted(rank)
         with self._pause_lock:
             self._pause.heard.discard(rank)

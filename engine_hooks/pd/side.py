@@ -34,7 +34,7 @@ import numpy as np
 
 from cache_manager.cache_data import CacheStatus
 from cache_manager.layer_progress import LayerwiseRef
-from ops.procs import ProcessWatch
+from ops.procs import ProcessWatch, process_argv
 from ops.shm import SharedMemorySegment
 from transfer_factory.peer.handles import (BOARD_BYTES, BOARD_WORDS, DEFAULT_TTL_S, NO_GENERATION, ExposureBoard,
                                            TransferHandle)
@@ -244,10 +244,8 @@ class PrefillDecode:
 
 def _is_rank_ctm(pid: int, rank: int, engine_pid: object) -> bool:
     """Whether process ``pid`` is the CTM of rank ``rank`` launched by engine ``engine_pid``."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().decode(errors="replace").split("\0")
-    except OSError:
+    argv = process_argv(pid)
+    if argv is None:
         return False
 
     def flag(name: str) -> str | None:
