@@ -8,14 +8,17 @@ HMAC frames; never pickle).  The contract is in README.md, "Adopting from FastDe
   this process.  This module only translates FastDeploy's calls.
 * ``address`` is ``(host, port)`` or FastDeploy's Unix-socket path ``/dev/shm/fd_task_queue_<port>.sock``,
   a name only: the socket is in the queue's private directory (``engine_hooks.fastdeploy.address``).
-  ``local_data_parallel_size > 1`` is refused.  FastDeploy's task tuples are parsed in
-  ``engine_hooks.fastdeploy.tasks``.
+  A data-parallel engine has a queue of its own (FastDeploy passes every one
+  ``local_data_parallel_size=data_parallel_size``): a queue serves the TP ranks of one engine.
+  FastDeploy's task tuples are parsed in ``engine_hooks.fastdeploy.tasks``.
 * Secret: HKDF-SHA256 of ``authkey`` under a random salt per queue (``engine_hooks.fastdeploy.secret``), random (with a
   warning) for FastDeploy's public default; written to a private file whose path is exported as
   ``CTM_QUEUE_SECRET_FILE`` for the CTMs the engine launches (``engine_hooks.fastdeploy.secret.SecretFile``): the secret
   itself is in no environment.
-* Done signals are FastDeploy's tuples as its CTMs send them (a read's once per rank), queued only
-  once the task resolved *and* every rank let go of its blocks (``future.released``).  A failed
+* Done signals are FastDeploy's tuples as its CTMs send them (a storage task's once per rank, each
+  with the blocks done on every rank: FastDeploy's release/2.6 waits for ``tensor_parallel_size`` of a
+  write's, its develop of 2026-05 for the first), queued only once the task resolved *and* every rank
+  let go of its blocks (``future.released``).  A failed
   storage task reports 0 blocks; a failed swap is never reported done, only in ``failed_tasks()``:
   so is a swap-in from host slots that a rejoined CTM's new swap space no longer holds.
 * Control requests ``(CTRL, ControlRequest)`` are answered by ``get_control_response`` as soon as
@@ -39,33 +42,37 @@ from cache_manager.queue import wire
 from cache_manager.queue.server import EngineCacheQueueServer
 from ops.procs import pid_alive
 
-from cache_manager.queue.unix_address import note_requested_path, private_socket_path
+from cache_manager.queue.unix_address import fastdeploy_queue_path, note_requested_path, private_socket_path
 
 from ..core.engine_core import EngineCore
 from .address import parse_address
 from .control import ControlRefused, ControlResponse, ControlResponses, response_from
-from .secret import SECRET_LABEL, SecretFile, derive_secret, new_salt
+from .secret import DEFAULT_AUTHKEY, SECRET_LABEL, SecretFile, queue_secret
 from .tasks import Entry, parse_transfer_task
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_AUTHKEY = b"cache_queue_service"  # FastDeploy's fixed default: public, so never a secret
 SECRET_CONTEXT = SECRET_LABEL  # the HKDF label (``engine_hooks.fastdeploy.secret``)
 MAX_FAILED_KEPT = 10_000
 # port, or requested Unix-socket path -> the server in this process
 _servers: "weakref.WeakValueDictionary[int | str, _Core]" = weakref.WeakValueDictionary()
 
 
-def queue_secret(authkey: bytes | str, salt: bytes | None = None) -> tuple[bytes, bool]:
-    """(the 32-byte queue secret, whether it derives from ``authkey``): HKDF-SHA256 of ``authkey``
-    under ``salt`` (a fresh random one if None, so every queue has its own secret); a random secret
-    for the public default key."""
-    key = authkey.encode() if isinstance(authkey, str) else authkey
-    if not isinstance(key, (bytes, bytearray)):
-        raise ValueError(f"authkey must be bytes, got {type(authkey).__name__}")
-    if not key or bytes(key) == DEFAULT_AUTHKEY:
-        return wire.new_secret(), False
-    return derive_secret(bytes(key), new_salt() if salt is None else salt), True
+def control_responses_for(port: int) -> ControlResponses | None:
+    """The control responses of this process's queue server for FastDeploy's ``cache_queue_port`` ``port``
+    (TCP, or its Unix-socket name), or None: what FastDeploy's ``ctrl_c2e_rank<r>_<port>`` queues read."""
+    core = _servers.get(port) or _servers.get(fastdeploy_queue_path(port))
+    return core.controls if core is not None else None
+
+
+def check_data_parallel(size: Any, index: Any) -> None:
+    """FastDeploy's data-parallel arguments: every DP engine has its own queue (and port), and passes the
+    DP size to its server and its index to its handles (with the default size: FastDeploy's prefix cache
+    manager passes only the index).  ``ValueError`` names a value out of range."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or isinstance(index, bool) \
+            or not isinstance(index, int) or index < 0 or (size > 1 and index >= size):
+        raise ValueError(f"local_data_parallel_size {size!r} / local_data_parallel_id {index!r}: the size must be "
+                         "a positive integer and the id a non-negative one below it")
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,7 @@ class _Core:
                  storage_grace: float, ready_timeout: float, ipc_path: str | None = None,
                  control_timeout: float = 60.0):
         self.tp, self.secret, self.control_timeout = num_client, secret, control_timeout
-        self.controls = ControlResponses()
+        self.controls = ControlResponses(num_client)
         self.secret_file: SecretFile | None = None  # the owner's, for the CTMs (set once the server is up)
         self.task_timeout, self.storage_grace, self.ready_timeout = task_timeout, storage_grace, ready_timeout
         self.lock = threading.Lock()
@@ -180,8 +187,7 @@ class _Core:
             if error is not None:
                 logger.warning("storage task %s failed; reporting 0 blocks: %s", entry.task_id, error)
             blocks = list(future.result()) if error is None else []
-            copies = self.tp if entry.kind == "read" else 1
-            signals = [(entry.event, entry.task_id, list(entry.report[0]), list(blocks)) for _ in range(copies)]
+            signals = [(entry.event, entry.task_id, list(entry.report[0]), list(blocks)) for _ in range(self.tp)]
         with self.lock:
             self.done.extend(signals)
 
@@ -274,9 +280,7 @@ class EngineCacheQueue:
                  local_data_parallel_size: int = 1, local_data_parallel_id: int = 0, *,
                  task_timeout: float = 30.0, storage_grace: float = 5.0, ready_timeout: float = 60.0,
                  control_timeout: float = 60.0):
-        if local_data_parallel_size != 1 or local_data_parallel_id != 0:
-            raise ValueError(f"local_data_parallel_size {local_data_parallel_size} / id {local_data_parallel_id}: "
-                             "only one data-parallel group per queue is supported; give each engine its own queue")
+        check_data_parallel(local_data_parallel_size, local_data_parallel_id)
         addr = parse_address(address)
         if isinstance(num_client, bool) or not isinstance(num_client, int) or num_client < 1:
             raise ValueError(f"num_client {num_client!r} must be the TP size, a positive integer")

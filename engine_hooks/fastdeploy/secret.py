@@ -28,6 +28,19 @@ logger = logging.getLogger(__name__)
 
 SECRET_LABEL = b"ctm-queue-secret\0"
 SALT_BYTES = 16
+DEFAULT_AUTHKEY = b"cache_queue_service"  # FastDeploy's fixed default: public, so never a secret
+
+
+def queue_secret(authkey: bytes | str, salt: bytes | None = None) -> tuple[bytes, bool]:
+    """(the 32-byte queue secret, whether it derives from ``authkey``): HKDF-SHA256 of ``authkey``
+    under ``salt`` (a fresh random one if None, so every queue has its own secret); a random secret
+    for the public default key."""
+    key = authkey.encode() if isinstance(authkey, str) else authkey
+    if not isinstance(key, (bytes, bytearray)):
+        raise ValueError(f"authkey must be bytes, got {type(authkey).__name__}")
+    if not key or bytes(key) == DEFAULT_AUTHKEY:
+        return wire.new_secret(), False
+    return derive_secret(bytes(key), new_salt() if salt is None else salt), True
 
 
 def derive_secret(authkey: bytes, salt: bytes, label: bytes = SECRET_LABEL) -> bytes:

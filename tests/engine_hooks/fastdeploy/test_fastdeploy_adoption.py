@@ -168,7 +168,7 @@ def test_fastdeploys_own_launch_line_is_refused_with_create_cache_tensor_and_ser
     src, dst = [1, 5, 9, 13], [2, 6, 10, 14]
     mixed.queue.put_transfer_task((FDCacheStatus.GPU2STORAGE, FDWriteStorageTask(
         task_id="w", keys=keys, token_ids=tokens, gpu_block_ids=src)))
-    assert mixed.signals_for(1) == [(FDCacheStatus.GPU2STORAGE, "w", keys, src)]
+    assert mixed.signals_for(2) == [(FDCacheStatus.GPU2STORAGE, "w", keys, src)] * 2  # one per rank
     mixed.queue.put_transfer_task((FDCacheStatus.STORAGE2GPU, FDReadStorageTask(
         task_id="r", keys=keys, token_ids=tokens, gpu_block_ids=dst, start_read_block_idx=0)))
     assert [s[3] for s in mixed.signals_for(2)] == [dst, dst]

@@ -54,7 +54,7 @@ def ok(response) -> list:
 def write_and_read(fd, task: str, src: list[int], dst: list[int]) -> list[int]:
     """Store ``src`` under KEYS, then read KEYS into ``dst``: the blocks loaded (on every rank)."""
     fd.queue.put_transfer_task((CacheStatus.GPU2STORAGE, WriteStorageTask(f"{task}-w", KEYS, [], src)))
-    assert fd.signals_for(1) == [(CacheStatus.GPU2STORAGE, f"{task}-w", KEYS, src)]
+    assert fd.signals_for(2) == [(CacheStatus.GPU2STORAGE, f"{task}-w", KEYS, src)] * 2
     return read(fd, task, dst)
 
 

@@ -67,7 +67,7 @@ def pd(request, tmp_path_factory):
 def write(p: FastDeployPDEngine, task_id: str, keys: list, tokens: list, src: list) -> None:
     p.queue.put_transfer_task((FDCacheStatus.GPU2STORAGE, FDWriteStorageTask(
         task_id=task_id, keys=keys, token_ids=tokens, gpu_block_ids=src)))
-    assert p.signals_for(1) == [(FDCacheStatus.GPU2STORAGE, task_id, keys, src)]  # stored on every rank
+    assert p.signals_for(p.tp) == [(FDCacheStatus.GPU2STORAGE, task_id, keys, src)] * p.tp  # one per rank: stored on every rank
 
 
 def read(d: FastDeployPDEngine, task_id: str, keys: list, tokens: list, dst: list) -> list:

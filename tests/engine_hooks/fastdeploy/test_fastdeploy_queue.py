@@ -99,7 +99,7 @@ def test_storage_write_then_read_are_bit_exact_with_fastdeploy_done_tuples(fd):
     keys = ["hash-a", "hash-b", "hash-c"]
     fd.queue.put_transfer_task((CacheStatus.GPU2STORAGE, FDWriteStorageTask(task_id="w1", keys=keys, token_ids=None,
                                                                             gpu_block_ids=[2, 3, 4])))
-    assert fd.signals_for(1) == [(CacheStatus.GPU2STORAGE, "w1", keys, [2, 3, 4])]
+    assert fd.signals_for(2) == [(CacheStatus.GPU2STORAGE, "w1", keys, [2, 3, 4])] * 2  # one per rank
     stored = {k: view[[2, 3, 4]].copy() for k, view in v.items()}
     for view in v.values():
         view[10:16] = 0
@@ -173,7 +173,7 @@ def test_clear_transfer_task_forgets_tasks_in_flight(fd):
 
 def test_a_timed_out_read_reports_no_blocks_only_once_every_rank_let_go(fd):
     fd.queue.put_transfer_task((CacheStatus.GPU2STORAGE, WriteStorageTask("w-late", ["hash-late"], [], [6])))
-    assert fd.signals_for(1) == [(CacheStatus.GPU2STORAGE, "w-late", ["hash-late"], [6])]
+    assert fd.signals_for(2) == [(CacheStatus.GPU2STORAGE, "w-late", ["hash-late"], [6])] * 2
     os.kill(fd.procs[1].pid, signal.SIGSTOP)
     try:  # rank 0 loads in time; rank 1 never answers within timeout + grace
         fd.queue.put_transfer_task((CacheStatus.STORAGE2GPU, ReadStorageTask("r-late", ["hash-late"], [], [15], 0,
