@@ -128,20 +128,39 @@ def response_from(call: ControlCall, future: Future) -> ControlResponse:
     return ControlResponse(call.request_id, FAILED, message, None)
 
 
-class ControlResponses:
-    """Responses waiting to be read, by request id, and who waits for them."""
+def rank_response(response: ControlResponse, rank: int, ranks: int) -> ControlResponse:
+    """Rank ``rank``'s part of ``response``, as FastDeploy reads one per rank: its own answer, or the
+    error (which names every failing, silent or dead rank)."""
+    result = response.result
+    if response.ok and isinstance(result, list) and len(result) == ranks:
+        result = result[rank]
+    return ControlResponse(response.request_id, response.error_code, response.error_message, result)
 
-    def __init__(self) -> None:
+
+class ControlResponses:
+    """Responses waiting to be read, by request id, and who waits for them: one response for all ranks
+    (``wait``) and, for FastDeploy's per-rank queues (``engine_hooks.fastdeploy.fmq``), each rank's part
+    in answer order (``next_for_rank``).  Each kind keeps at most ``MAX_KEPT`` unread."""
+
+    def __init__(self, ranks: int = 1) -> None:
         self._cond = threading.Condition()
         self._pending: set[str] = set()
         self._answered: collections.OrderedDict[str, ControlResponse] = collections.OrderedDict()
+        self._ranks = ranks
+        self._by_rank = [collections.deque(maxlen=MAX_KEPT) for _ in range(ranks)]
 
     def expect(self, request_id: str) -> None:
-        """A request was sent; ``ValueError`` if one under the same id is still unanswered or unread."""
+        """A request was sent; ``ValueError`` if one under the same id is still in flight.  An unread
+        response under the same id is stale now (FastDeploy reuses ``pause_transfer``, and reads its
+        per-rank queues instead): it is dropped, with its per-rank parts still unread."""
         with self._cond:
-            if request_id in self._pending or request_id in self._answered:
-                raise ValueError(f"control request_id {request_id!r:.80} is already in flight or its response "
-                                 "is unread: use a new id")
+            if request_id in self._pending:
+                raise ValueError(f"control request_id {request_id!r:.80} is already in flight: use a new id")
+            self._answered.pop(request_id, None)
+            for box in self._by_rank:
+                stale = [r for r in box if r.request_id == request_id]
+                for r in stale:
+                    box.remove(r)
             self._pending.add(request_id)
 
     def forget(self, request_id: str) -> None:
@@ -155,7 +174,15 @@ class ControlResponses:
             self._answered[response.request_id] = response
             while len(self._answered) > MAX_KEPT:
                 self._answered.popitem(last=False)
+            for rank, box in enumerate(self._by_rank):
+                box.append(rank_response(response, rank, self._ranks))
             self._cond.notify_all()
+
+    def next_for_rank(self, rank: int) -> ControlResponse | None:
+        """The oldest unread response of rank ``rank`` (its part of a request's answer), or None."""
+        with self._cond:
+            box = self._by_rank[rank % self._ranks]
+            return box.popleft() if box else None
 
     def wait(self, request_id: Any, timeout: float) -> ControlResponse:
         """The response to ``request_id`` (read once); ``TimeoutError`` if none within ``timeout`` seconds,
