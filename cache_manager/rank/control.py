@@ -17,7 +17,10 @@ wakeup.  The rest runs on the control pool, bounded by the task's deadline:
   freed under ``FD_ENABLE_SWAP_SPACE_CLEARING``, caches detached, ``cache_ready[rank] = 0``);
 * **wakeup**: waits for the engine's ``cache_ready[rank] = 1`` (its NEW caches), attaches them, re-reads
   the storage key prefix from ``<model_path>/version.yaml`` if there is one, re-opens storage; a rank
-  that never let go of its caches (its sleep failed) refuses, never serving the old segments;
+  that never let go of its caches (its sleep failed) refuses, never serving the old segments.  A
+  wakeup that succeeded on every rank also ends the pause (FastDeploy's sleep pauses and its wakeup
+  means to resume, but its ``_control_wakeup`` can fail before it sends the resume): the held tasks
+  are submitted, in receive order, unless a pause was received after the wakeup;
 * **update_weights** (the rank paused or asleep, as FastDeploy's engine requires): the storage key
   prefix from ``version.yaml``, so keys stored under the old weights never hit again.
 
@@ -76,6 +79,8 @@ class RankControl:
         self._paused_signal = self._attach(CACHE_TASK_IS_PAUSED_SIGNAL, 1)
         self._inflight_signal = self._attach(CACHE_TASK_INFLIGHT_SIGNAL, num_ranks)
         self._inflight_published: int | None = None
+        self._pauses = 0  # serve thread: pauses received; a wakeup resumes only if none came after it
+        self._resume_after: int | None = None  # set by a wakeup that succeeded: the pause count at its receipt
 
     def _attach(self, name: str, words: int) -> Any:
         try:
@@ -93,7 +98,9 @@ class RankControl:
             self._scheduler.submit(task.task_id, seq, CONTROL_POOL, (), deadline, lambda: self._command(task))
             return
         method = command[len(CONTROL_COMMAND_PREFIX):]
+        pauses = self._pauses
         if method == "pause":
+            self._pauses += 1
             self._set_paused(True)
         elif method == "resume":
             self._set_paused(False)
@@ -104,7 +111,7 @@ class RankControl:
         end = deadline if deadline is not None else start + NO_DEADLINE_S
         until = end - min(ANSWER_MARGIN_S, max(0.0, end - start) / 5)
         self._scheduler.submit(task.task_id, seq, CONTROL_POOL, (), deadline,
-                               lambda: self._run(task, method, until))
+                               lambda: self._run(task, method, until, pauses))
 
     def hold(self, submit: Callable[[], None], deadline: float | None) -> None:
         """Keep a non-control task received while ``paused``: ``submit`` runs at the resume, or at its
@@ -120,7 +127,14 @@ class RankControl:
 
     def step(self) -> None:
         """Every serve-loop iteration: submit held tasks whose deadline passed (the scheduler answers
-        them as never started) and publish ``cache_task_inflight[rank]``."""
+        them as never started), end the pause a wakeup ended, and publish ``cache_task_inflight[rank]``."""
+        resume_after = None
+        if self._resume_after is not None:
+            with self._lock:
+                resume_after, self._resume_after = self._resume_after, None
+        if resume_after is not None and self.paused and resume_after == self._pauses:
+            self._log.info("wakeup done on every rank: ending the pause its sleep began")
+            self._set_paused(False)
         if self._held:
             now = time.monotonic()
             kept: deque = deque()
@@ -170,7 +184,7 @@ class RankControl:
             return self._peer_command(task.command, task.args)
         raise ValueError(f"unknown control command {task.command!r}")
 
-    def _run(self, task: ControlTask, method: str, until: float) -> dict:
+    def _run(self, task: ControlTask, method: str, until: float, pauses: int = 0) -> dict:
         """This rank's part of ``method``, then the ranks' barrier; raises naming what failed."""
         error: Exception | None = None
         value: dict = {}
@@ -192,6 +206,9 @@ class RankControl:
                                    f"{wait:.2f}s")
             raise RuntimeError(f"{method}: the ranks' barrier {name} failed before rank {self._rank} arrived")
         self._log.info("control %s (%s) done on every rank", method, task.task_id)
+        if method == "wakeup" and _kv_tag(task.args):
+            with self._lock:
+                self._resume_after = pauses  # the serve thread resumes (``step``)
         return value
 
     def _pause(self, args: dict, until: float) -> dict:

@@ -14,7 +14,8 @@ their callers' calls into it.  What it holds, so that a guard written here holds
   blocks are released) and when a new process of it joins (``rank_joined``: its swap space is new,
   so the slots written before are lost on it) and serves (``rank_up``); a FastDeploy sleep that
   freed the ranks' swap space (``swap_freed``) loses the slots the same way;
-* FastDeploy's pause (``ctrl_pause`` .. ``ctrl_resume``): a rank's pause lives in its process, so a
+* FastDeploy's pause (``ctrl_pause`` .. ``ctrl_resume``, or a kv-cache ``ctrl_wakeup`` that succeeded on
+  every rank, which ends the pause its sleep began): a rank's pause lives in its process, so a
   rank whose process was replaced during a pause would start unpaused and run what the others hold.
   The core remembers the pause and which ranks' current processes heard it; before anything else
   reaches a rank that did not, that rank is paused again (a ``ctrl_pause`` to every rank: the ranks
@@ -32,7 +33,7 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Mapping
 
-from cache_manager.cache_data import CONTROL_COMMAND_PREFIX, CacheStatus
+from cache_manager.cache_data import CONTROL_COMMAND_PREFIX, DEFAULT_SLEEP_TAGS, KV_CACHE_TAG, CacheStatus
 from cache_manager.cache_tasks import MAX_TASK_BUDGET_S
 from cache_manager.queue.server import EngineCacheQueueServer
 
@@ -43,7 +44,7 @@ from .task_tracker import TaskTracker
 
 logger = logging.getLogger(__name__)
 
-PAUSE, RESUME, SLEEP = (CONTROL_COMMAND_PREFIX + m for m in ("pause", "resume", "sleep"))
+PAUSE, RESUME, SLEEP, WAKEUP = (CONTROL_COMMAND_PREFIX + m for m in ("pause", "resume", "sleep", "wakeup"))
 REPAUSE_PREFIX = "~repause-"  # the task ids of the core's own re-pauses (no engine id starts so)
 
 
@@ -62,11 +63,18 @@ class PauseRecord:
         self.tp = tp
         self.paused = False
         self.heard: set[int] = set()
+        self.pauses = 0  # pauses sent: a wakeup ends the pause only if none was sent after it
 
     def sent(self, command: object, reached: set[int]) -> None:
         if command == PAUSE:
-            self.paused, self.heard = True, self.heard | reached
+            self.paused, self.heard, self.pauses = True, self.heard | reached, self.pauses + 1
         elif command == RESUME:
+            self.paused, self.heard = False, set()
+
+    def woken(self, pauses: int) -> None:
+        """A kv-cache wakeup sent when ``pauses`` pauses had been sent succeeded on every rank: the ranks
+        ended the pause (``cache_manager.rank.control``), unless a pause was sent since."""
+        if pauses == self.pauses:
             self.paused, self.heard = False, set()
 
     def unheard(self) -> list[int]:
@@ -114,9 +122,19 @@ class EngineCore:
         task, future, send = self.tracker.begin(task, timeout, grace)
         if send and task.get("event_type") == CacheStatus.CTRL and task.get("command") == SLEEP:
             future.add_done_callback(self._slept)
+        if send and task.get("event_type") == CacheStatus.CTRL and task.get("command") == WAKEUP \
+                and KV_CACHE_TAG in task.get("args", {}).get("tags", DEFAULT_SLEEP_TAGS):
+            with self._pause_lock:
+                pauses = self._pause.pauses
+            future.add_done_callback(lambda f: self._woken(f, pauses))
         if send:
             self._send(task)
         return future
+
+    def _woken(self, future: Future, pauses: int) -> None:
+        if future.exception() is None:
+            with self._pause_lock:
+                self._pause.woken(pauses)
 
     def _slept(self, future: Future) -> None:
         """A FastDeploy sleep answered: the ranks that freed their swap space (``swap_freed``, under
