@@ -73,6 +73,22 @@ ROOT_ONLY = {"test_ipc.py::test_attach_refuses_a_segment_owned_by_another_user":
              "chowns a segment to uid 65534, which only root can"}
 
 
+def pytest_addoption(parser):
+    parser.addoption("--fastdeploy-version", action="append", default=None,
+                     help="the FastDeploy version(s) whose engine side the FastDeploy tests model "
+                          "(tests/fastdeploy_engine_side.py VERSIONS); default: every one")
+
+
+def pytest_generate_tests(metafunc):
+    if "fastdeploy_version" in metafunc.fixturenames:
+        from tests.fastdeploy_engine_side import VERSIONS
+        chosen = metafunc.config.getoption("fastdeploy_version") or list(VERSIONS)
+        unknown = [v for v in chosen if v not in VERSIONS]
+        if unknown:
+            raise pytest.UsageError(f"--fastdeploy-version {unknown}: known are {', '.join(VERSIONS)}")
+        metafunc.parametrize("fastdeploy_version", [VERSIONS[v] for v in chosen], ids=chosen)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "permissions: uid, ownership and file-mode behaviour (also run as uid 65534)")
 

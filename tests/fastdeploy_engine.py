@@ -45,7 +45,8 @@ class FastDeployEngine:
     def __init__(self, tp: int = 2, authkey: bytes = DEFAULT_AUTHKEY, storage_root: str | None = None,
                  spec: CacheSpec = SPEC, num_cpu_blocks: int = NUM_CPU_BLOCKS, unix_socket: bool = False,
                  fastdeploy_signals: bool = False, port: int | None = None, cache_queue_port: int | None = None,
-                 model_path: str = "", **queue_kw: Any):
+                 model_path: str = "", dp_index: int = 0, **queue_kw: Any):
+        self.dp_index = dp_index  # FastDeploy's local_data_parallel_id: this engine's place among DP engines
         self.tp, self.spec, self.num_cpu_blocks, self.storage_root = tp, spec, num_cpu_blocks, storage_root
         self.model_path = model_path  # FastDeploy's --model_path: where its version.yaml is
         self._controls = 0  # control requests put (their default ids)
@@ -97,7 +98,7 @@ class FastDeployEngine:
             "cache_queue_port": self.cache_queue_port or self.queue.get_server_port(), "enable_splitwise": 0,
             "pod_ip": "127.0.0.1",
             "engine_worker_queue_port": self.port, "num_cpu_blocks": self.num_cpu_blocks, "protocol": "ipc",
-            "local_data_parallel_id": 0, "rdma_port": "0", "speculative_config": "{}",
+            "local_data_parallel_id": self.dp_index, "rdma_port": "0", "speculative_config": "{}",
             "default_dtype": s.default_dtype, "kvcache_storage_backend": "none", "write_policy": "write_through",
             "max_model_len": 64, "platform": "cpu", "log_dir": self.log_dir, "engine_pid": os.getpid(),
             "attach_timeout": 20,
