@@ -3,7 +3,9 @@
 The list is parsed from README.md: each numbered change must be one this test checks (a change
 added without a check, or a check without its change, fails), and each is checked against what
 runs here: FastDeploy's own CTM launch line (``tests.fastdeploy_pd_engine``) with the changes
-applied, and the engine that ``tests/fastdeploy_engine.py`` models.
+applied, the engine that ``tests/fastdeploy_engine.py`` models, and the engine side of each
+FastDeploy version that ``tests/fastdeploy_engine_side.py`` models (which changes apply to which
+version, as the README says; the versions' own tests run there with the README's imports).
 """
 from __future__ import annotations
 
@@ -18,14 +20,16 @@ import pytest
 from cache_manager.cache_data import CACHE_TRANSFER_INITED_SIGNAL, SWAP_SPACE_READY_SIGNAL
 from cache_manager.ctm_flags import parse_args
 from cache_manager.queue.wire import SECRET_FILE_ENV
-from engine_hooks.fastdeploy.queue import EngineCacheQueue
+from engine_hooks.fastdeploy.fmq import ControlResponseQueue
 from engine_hooks.core.launcher import REPO_ROOT
 from tests.fastdeploy_pd_engine import CREATE_CACHE_TENSOR, CTM_MODULE, FD_SCRIPT, FastDeployPDEngine, adopt, pd_storage_keys
+from tests.fastdeploy_engine_side import VERSIONS
 from tests.fastdeploy_types import FDCacheStatus, FDReadStorageTask, FDWriteStorageTask
 
 README = os.path.join(REPO_ROOT, "README.md")
 DOC = os.path.join(REPO_ROOT, "docs", "fastdeploy.md")
 MODEL_ENGINE = os.path.join(REPO_ROOT, "tests", "fastdeploy_engine.py")
+MODEL_ENGINE_SIDE = os.path.join(REPO_ROOT, "tests", "fastdeploy_engine_side.py")
 
 
 def readme_changes() -> list[str]:
@@ -47,8 +51,8 @@ def spans(item: str) -> list[str]:
     return re.findall(r"`([^`]+)`", item)
 
 
-def model_engine_imports() -> set[tuple[str, str]]:
-    tree = ast.parse(open(MODEL_ENGINE).read())
+def model_engine_imports(path: str = MODEL_ENGINE) -> set[tuple[str, str]]:
+    tree = ast.parse(open(path).read())
     return {(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
             for alias in node.names}
 
@@ -60,6 +64,9 @@ def check_imports(item: str, _first: list[str]) -> None:
         lines = _first
     assert sorted(line.split()[-1] for line in lines) == ["EngineCacheQueue", "IPCSignal"], lines
     taken = model_engine_imports()
+    stock = [s for s in spans(item) if s.startswith("from fastdeploy.inter_communicator import ") and "(" not in s]
+    for line in stock:  # what the README's lines replace: the same names, FastDeploy's module
+        assert {n.strip() for n in line.split(" import ")[1].split(",")} >= {"EngineCacheQueue", "IPCSignal"}, line
     for line in lines:
         _, module, _, name = line.split()
         namespace: dict = {}
@@ -73,7 +80,7 @@ def check_module(item: str, _: list[str]) -> None:
 
 
 def check_create_flag(item: str, _: list[str]) -> None:
-    assert CREATE_CACHE_TENSOR.strip() in spans(item) and "status 2" in item
+    assert CREATE_CACHE_TENSOR in spans(item) and "status 2" in item
     assert CREATE_CACHE_TENSOR not in adopt(f"python {FD_SCRIPT} --kvcache_storage_backend file{CREATE_CACHE_TENSOR}")
 
 
@@ -82,17 +89,22 @@ def check_worker(item: str, _: list[str]) -> None:
 
 
 def check_control(item: str, _: list[str]) -> None:
-    call = next(s for s in spans(item) if "get_control_response" in s)
-    assert callable(getattr(EngineCacheQueue, call.split(".")[-1].split("(")[0]))
+    stock, ours = (s for s in spans(item) if s.endswith("import FMQ"))
+    assert stock == "from fastdeploy.inter_communicator.fmq import FMQ", stock
+    namespace: dict = {}
+    exec(ours, namespace)  # the line as the README prints it imports
+    _, module, _, name = ours.split()
+    assert (module, name) in model_engine_imports(MODEL_ENGINE_SIDE), f"the modelled engine side does not take {ours!r}"
+    assert isinstance(namespace["FMQ"]().queue("ctrl_c2e_rank3_8123", "consumer"), ControlResponseQueue)
 
 
 def check_platform(item: str, _: list[str]) -> None:
     assert "CTM_PLATFORM=npu" in spans(item)
 
 
-CHECKS = {"prefix_cache_manager.py:38": check_imports, "common_engine.py:60": check_imports,
+CHECKS = {"prefix_cache_manager.py`, the import": check_imports, "common_engine.py`, its `from": check_imports,
           CTM_MODULE.split()[-1]: check_module, "--create_cache_tensor": check_create_flag,
-          "kvcache_storage_backend or": check_worker, "get_control_response": check_control,
+          "kvcache_storage_backend or": check_worker, "fastdeploy_fmq": check_control,
           "CTM_PLATFORM": check_platform}
 
 
@@ -105,8 +117,23 @@ def test_the_readme_lists_each_change_once_and_each_is_what_the_modelled_engine_
         assert len(markers) == 1, f"README change matches {markers}, not one check: {item}"
         CHECKS[markers[0]](item, first)
     doc = open(DOC).read()
-    for site in ("prefix_cache_manager.py:38", "common_engine.py:60", "prefix_cache_manager.py:299-300"):
+    for site in ("`from fastdeploy.inter_communicator import EngineCacheQueue, IPCSignal, PrefixTreeStatus`",
+                 "`from fastdeploy.inter_communicator.fmq import FMQ`", "--create_cache_tensor"):
         assert site in doc, f"docs/fastdeploy.md does not explain {site}"
+
+
+def test_the_readme_says_which_changes_apply_to_each_modelled_version():
+    text = " ".join(open(README).read().split("**From FastDeploy**")[1].split("1. ")[0].split())
+    said = {"release/2.6": "release/2.6 (2026-06-01) and `develop` of 2026-05, all seven",
+            "develop-2026-05": "release/2.6 (2026-06-01) and `develop` of 2026-05, all seven",
+            "develop-8046": "`develop` after #8046 (2026-06), 1, 2, 3, 6 and 7"}
+    assert set(said) == set(VERSIONS)
+    for name, version in VERSIONS.items():
+        assert said[name] in text, f"the README does not say which changes apply to {name}"
+        listed = tuple(range(1, 8)) if "all seven" in said[name] else (1, 2, 3, 6, 7)
+        assert version.changes == listed, name
+        # changes 4 and 5 exist for the versions whose launch line adds --create_cache_tensor
+        assert (4 in version.changes) == (5 in version.changes) == version.create_cache_tensor, name
 
 
 def test_create_cache_tensor_is_refused_at_parse_and_0_is_accepted(monkeypatch, capsys):

@@ -156,6 +156,30 @@ def test_two_data_parallel_engines_start_as_fastdeploy_configures_them(tmp_path,
             assert engine.close() == [], "segments left behind"
 
 
+def test_a_squatter_on_fastdeploys_control_socket_hears_nothing(engine, tmp_path):
+    import zmq
+    port = port_of(engine)
+    paths = [f"/dev/shm/fmq_ctrl_c2e_rank{r}_{port}.ipc" for r in range(2)]
+    context = zmq.Context()
+    squatters = []
+    try:
+        for path in paths:  # another local user's process, bound where FastDeploy's FMQ would bind
+            sock = context.socket(zmq.PULL)
+            sock.bind(f"ipc://{path}")
+            squatters.append(sock)
+        control = ControlSide(engine.queue, engine.tp, port)
+        control.pause(timeout=10)
+        control.resume(timeout=10)
+        assert all(sock.poll(200) == 0 for sock in squatters), "a control answer reached the squatter"
+    finally:
+        for sock in squatters:
+            sock.close(linger=0)
+        context.term()
+        for path in paths:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
 def test_data_parallel_arguments_out_of_range_are_refused_naming_them():
     for size, index in ((0, 0), (2, 2), (2, -1), (True, 0), (1, -1)):
         with pytest.raises(ValueError, match="local_data_parallel_size"):
