@@ -32,6 +32,13 @@ POLL_MAX_S = 0.005  # a transfer's completion is seen at most this late; no busy
 DONE, RUNNING, FAILED, TIMED_OUT = 1, 0, -1, -2
 
 
+def valid_batch(batch: object) -> bool:
+    """Whether a batch id from ``batch_transfer_async_read/write`` names a batch.  Mooncake 0.3.13 gives
+    0 (a null batch: polling it crashes the process) when the handshake with the peer fails,
+    connection refused or timed out; other bindings give a negative code or ``2**64 - 1``."""
+    return isinstance(batch, int) and 0 < batch < 2**64 - 1
+
+
 class PeerTransferError(RuntimeError):
     """A transfer to or from a peer failed; the message names the peer."""
 
@@ -223,8 +230,9 @@ class TransferEngineEndpoint:
                         not in_flight[j] or in_flight[j] + _slices(lengths[next_run[j]]) <= MAX_SLICES_IN_FLIGHT):
                     i = next_run[j]
                     batch = submit(address, [local[i]], [remote[i]], [lengths[i]])
-                    if batch is None or batch < 0 or batch == 2**64 - 1:
-                        failure, failed_job = f"the Transfer Engine refused a run ({batch})", j
+                    if not valid_batch(batch):
+                        failure, failed_job = (f"the Transfer Engine refused a run (batch id {batch}: 0 when it "
+                                               "could not reach the peer)"), j
                         break
                     pending.append((batch, _slices(lengths[i]), j))
                     in_flight[j] += pending[-1][1]

@@ -57,6 +57,31 @@ def test_a_pull_from_a_killed_prefill_instance_fails_naming_it_and_decode_serves
     assert d.unlink("prefill-0")
 
 
+def test_relinking_a_dead_prefill_instance_from_its_saved_descriptor_fails_the_pull_not_the_ranks(decode, prefill):
+    """Mooncake 0.3.13 answers a run to a peer it cannot reach with batch id 0 (not an error code);
+    polling it dereferenced a null batch and killed every decode CTM (SIGSEGV) within 50 ms."""
+    from engine_hooks.pd import offer_for
+
+    svc, d = decode
+    saved = prefill.call("descriptor", offer=offer_for("mooncake"))
+    assert link_child(d, prefill, "mooncake") == "mooncake"
+    handle = prefill.call("expose", req_id="r1")
+    os.kill(prefill.pid, signal.SIGKILL)
+    prefill.proc.wait(10)
+    deadline = time.monotonic() + 15
+    while not all(process_gone(pid) for pid in prefill.rank_pids):
+        assert time.monotonic() < deadline, "the prefill instance's CTMs outlived their engine"
+        time.sleep(0.1)
+    assert d.unlink("prefill-0")
+    assert d.link(saved, transport="mooncake") == "mooncake"  # the descriptor an engine kept
+    pids = dict(svc.pids())
+    with pytest.raises(TaskFailedError, match="prefill-0"):
+        d.pull_blocks("prefill-0", handle, [1, 2], [5, 6], timeout=10).result(timeout=30)
+    assert svc.pids() == pids and not any(process_gone(pid) for pid in pids.values()), "a decode rank died"
+    assert svc.swap_to_cpu([1], [1]).result(timeout=20)  # decode serves on
+    assert d.unlink("prefill-0")
+
+
 def test_a_transfer_engine_pull_from_a_stopped_prefill_fails_in_time_and_is_released_only_after(decode, prefill):
     svc, d = decode
     fill_distinct(svc, seed=53)
