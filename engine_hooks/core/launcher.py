@@ -130,7 +130,9 @@ def launch(rank: int, flags: dict[str, object], log_dir: str, env: dict[str, str
     stderr_path = os.path.join(private_dir(log_dir), f"ctm_rank{rank}.stderr")  # DESIGN §4: 0600 in 0700
     child_env = {**os.environ, **env}
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, child_env.get("PYTHONPATH", "")) if p)
-    with os.fdopen(open_private(stderr_path, append=False), "wb") as err:
+    with os.fdopen(open_private(stderr_path), "ab") as err:  # appended: a crashed process's native output stays
+        err.write(f"--- rank {rank} launched at {time.strftime('%Y-%m-%dT%H:%M:%S')} ---\n".encode())
+        err.flush()
         popen = subprocess.Popen(argv, env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                  stderr=err, cwd=REPO_ROOT)
     logger.info("launched rank %d as pid %d", rank, popen.pid)
