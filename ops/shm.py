@@ -8,7 +8,9 @@ creator's explicit ``unlink()`` removes a name.
 Clean-up goes by identity, never by name alone: a segment knows the file it opened
 (``identity``, device and inode), ``unlink_if_same`` removes a name only while it is still
 that file, and every process lists what it creates in its creator record (``shm_ledger``), so
-``sweep_orphans`` removes what a process killed outright left, once that process is provably gone.
+``sweep_orphans`` removes what a process killed outright left, once that process is provably gone,
+and a create under a name such a process left removes that one file first (an engine restarted on
+its port while the dead engine's CTMs linger).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import mmap
 import os
 import re
 import stat
+from typing import Iterator
 
 from .shm_ledger import CREATOR_PREFIX, MAX_RECORD_BYTES, CreationLedger, Creator, Identity, parse_record
 
@@ -38,8 +41,9 @@ def shm_path(name: str) -> str:
 class SharedMemorySegment:
     """A named, mapped shared-memory segment.
 
-    ``create=True`` makes a new segment (fails if the name exists) of ``size`` bytes,
-    zero-filled, mode 0600.  ``create=False`` attaches to an existing one.
+    ``create=True`` makes a new segment of ``size`` bytes, zero-filled, mode 0600; a name held
+    by what a provably gone process of ours left is removed first (``_remove_orphan``), anything
+    else under the name raises ``FileExistsError``.  ``create=False`` attaches to an existing one.
     ``populate`` maps every page now, as device memory is committed at allocation:
     copies then never pay first-touch page faults.
     """
@@ -51,10 +55,7 @@ class SharedMemorySegment:
         if create:
             if size <= 0:
                 raise ValueError(f"shared-memory segment {name!r}: size {size} must be positive")
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            except FileExistsError:
-                raise FileExistsError(errno.EEXIST, _exists_message(name, self.path), self.path) from None
+            fd = _create_exclusive(name, self.path)
             try:
                 os.ftruncate(fd, size)
                 info = os.fstat(fd)
@@ -116,6 +117,22 @@ class SharedMemorySegment:
 
     def __repr__(self) -> str:
         return f"SharedMemorySegment({self.name!r}, size={self.size}, created={self.created})"
+
+
+def _create_exclusive(name: str, path: str) -> int:
+    """A new file under ``name`` (``O_EXCL``, 0600).  A name still held by what a provably gone process of
+    ours created and left (an engine killed and restarted on its port while its CTMs linger, say) is
+    removed first (``_remove_orphan``: by its creator record and identity, only ours); anything else under
+    the name (a live process's segment, another user's) raises ``FileExistsError`` naming its owner."""
+    flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
+    try:
+        return os.open(path, flags, 0o600)
+    except FileExistsError:
+        _remove_orphan(name)
+    try:
+        return os.open(path, flags, 0o600)
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, _exists_message(name, path), path) from None
 
 
 def _exists_message(name: str, path: str) -> str:
@@ -206,6 +223,27 @@ def _read_record(path: str) -> tuple[Identity, str] | None:
         os.close(fd)
 
 
+GoneRecord = tuple[str, Identity, Creator, list[tuple[str, Identity]]]
+
+
+def _gone_records(limit: int = MAX_SWEPT_RECORDS) -> Iterator[GoneRecord]:
+    """(path, identity, creator, listed segments) of each creator record of ours, at most ``limit`` read,
+    whose process is provably gone (``Creator.gone``); one of another pid namespace is never."""
+    me = Creator.this_process()
+    for record in list_segments(CREATOR_PREFIX)[:limit]:
+        path = os.path.join(SHM_DIR, record)
+        read = _read_record(path)
+        parsed = parse_record(read[1]) if read is not None else None
+        if parsed is None:
+            continue
+        creator, entries = parsed
+        verdict = creator.gone(me)
+        if verdict:
+            yield path, read[0], creator, entries
+        elif verdict is None:
+            logger.debug("leaving %s: process %d is in another pid namespace", record, creator.pid)
+
+
 def sweep_orphans(limit: int = MAX_SWEPT_RECORDS) -> list[str]:
     """Remove what processes that are provably gone created here and left (a whole engine instance
     SIGKILLed with its CTMs, say); the names removed.
@@ -216,26 +254,29 @@ def sweep_orphans(limit: int = MAX_SWEPT_RECORDS) -> list[str]:
     process's names, another uid's, symlinks and names that were replaced since are never touched; so is
     anything of a process in another pid namespace, which cannot be told from here."""
     removed: list[str] = []
-    gone, me = 0, Creator.this_process()
-    for record in list_segments(CREATOR_PREFIX)[:limit]:
-        path = os.path.join(SHM_DIR, record)
-        read = _read_record(path)
-        parsed = parse_record(read[1]) if read is not None else None
-        if parsed is None:
-            continue
-        creator, entries = parsed
-        verdict = creator.gone(me)
-        if not verdict:
-            if verdict is None:
-                logger.debug("leaving %s: process %d is in another pid namespace", record, creator.pid)
-            continue
+    gone = 0
+    for path, identity, _, entries in _gone_records(limit):
         gone += 1
-        for name, identity in entries:
-            if unlink_if_same(name, identity):
-                removed.append(name)
-        if segment_identity(record) == read[0]:
+        removed += [name for name, listed in entries if unlink_if_same(name, listed)]
+        if segment_identity(os.path.basename(path)) == identity:
             _unlink_ours(path)
     if removed:
         logger.warning("swept %d segments left by %d processes that are gone: %s%s", len(removed), gone,
                        removed[:8], " ..." if len(removed) > 8 else "")
     return removed
+
+
+def _remove_orphan(name: str) -> bool:
+    """Unlink ``name`` if the file it holds is what a provably gone process of ours created and left (its
+    creator record lists it, by identity); True if it was removed.  Nothing else is touched."""
+    held = segment_identity(name)
+    if held is None:
+        return False
+    for _, _, creator, entries in _gone_records():
+        if (name, held) in entries:
+            if unlink_if_same(name, held):
+                logger.warning("%s was left by process %d, which is gone: removed, to be created anew", name,
+                               creator.pid)
+                return True
+            return False
+    return False

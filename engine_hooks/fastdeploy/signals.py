@@ -35,14 +35,23 @@ PREFIX_CACHE_ATTACHES = ("cache_ready_signal", "swap_space_ready_signal", "prefi
                          "cache_transfer_inited_signal")
 PREFIX_CACHE_CREATES = ("cache_task_broadcast_signal", "cache_task_is_paused", "cache_task_inflight")
 
+_REPLACING = "ShareMemory: %s already exists (left by an engine that did not exit cleanly); replacing it"
+
 
 def _create_replacing_ours(name: str, size: int) -> SharedMemorySegment:
-    """A new segment ``name``; a leftover of ours under the name is replaced once, another user's refused."""
+    """A new segment ``name``; a leftover of ours under the name is replaced once, another user's refused.
+    What a provably gone process left goes by identity, in the create itself (``ops.shm``)."""
+    path = shm_path(name)
+    try:
+        warned = os.lstat(path).st_uid == os.geteuid()
+    except FileNotFoundError:
+        warned = False
+    if warned:  # logged as FastDeploy logs it, also when the create below sweeps it (ops.shm)
+        logger.warning(_REPLACING, name)
     try:
         return SharedMemorySegment(name, size, create=True)
     except FileExistsError:
         pass
-    path = shm_path(name)
     try:
         info = os.lstat(path)
     except FileNotFoundError:  # gone in between: create as if it had never been there
@@ -51,7 +60,8 @@ def _create_replacing_ours(name: str, size: int) -> SharedMemorySegment:
         raise PermissionError(f"shared-memory segment {path} belongs to uid {info.st_uid}, not to this process's "
                               f"uid {os.geteuid()}: another user holds the name, and it is never removed or used. "
                               "Remove it as root or that user, or run the engine on another port") from None
-    logger.warning("ShareMemory: %s already exists (left by an engine that did not exit cleanly); replacing it", name)
+    if not warned:
+        logger.warning(_REPLACING, name)
     if not SharedMemorySegment.unlink_name(name):
         raise PermissionError(f"shared-memory segment {path} exists and is not a regular file of ours: "
                               "refusing to replace it") from None
