@@ -7,6 +7,7 @@ This package holds what both sides agree on before a byte moves:
   transports it offers) and the check that two layouts can exchange blocks, which names the
   first field that differs.
 """
-from transfer_factory.peer.descriptor import LayoutMismatch, PeerDescriptor, choose_transport, compatible_layouts
+from transfer_factory.peer.descriptor import (LayoutMismatch, PeerDescriptor, choose_transport, compatible_layouts,
+                                              usable_transports)
 
-__all__ = ["LayoutMismatch", "PeerDescriptor", "choose_transport", "compatible_layouts"]
+__all__ = ["LayoutMismatch", "PeerDescriptor", "choose_transport", "compatible_layouts", "usable_transports"]

@@ -125,9 +125,11 @@ def compatible_layouts(local: PeerDescriptor, peer: PeerDescriptor) -> None:
                              theirs.block_bytes / theirs.kv_heads)
 
 
-def choose_transport(local: PeerDescriptor, peer: PeerDescriptor, forced: str | None = None) -> str:
-    """The best transport both offer: ``ipc`` only when both run on one kernel.  ``forced``
-    (``--pd-transport``) must be offered by both, or the link is refused naming it."""
+def usable_transports(local: PeerDescriptor, peer: PeerDescriptor, forced: str | None = None) -> list[str]:
+    """The transports both offer that can link them, best first: ``ipc`` only when both run on one
+    kernel (a link still proves it can open the peer's segments, and falls back to the next: two
+    containers share a kernel but not ``/dev/shm``).  ``forced`` (``--pd-transport``) must be
+    offered by both, or the link is refused naming it."""
     both = [name for name in TRANSPORTS if name in local.transports and name in peer.transports]
     if local.boot_id != peer.boot_id or not local.boot_id:
         both = [name for name in both if name != "ipc"]
@@ -139,11 +141,16 @@ def choose_transport(local: PeerDescriptor, peer: PeerDescriptor, forced: str | 
     if forced is not None and forced != "auto":
         if forced not in both:
             raise ValueError(f"transport {forced!r} is not offered by both sides here (usable: {both or 'none'})")
-        return forced
+        return [forced]
     if not both:
         raise ValueError(f"no transport in common: here {sorted(local.transports)}, peer {sorted(peer.transports)}"
                          + (" (ipc needs both on one host)" if "ipc" in local.transports else ""))
-    return both[0]
+    return both
+
+
+def choose_transport(local: PeerDescriptor, peer: PeerDescriptor, forced: str | None = None) -> str:
+    """The best of ``usable_transports``."""
+    return usable_transports(local, peer, forced)[0]
 
 
 def _layout(d: dict) -> CacheLayout:

@@ -27,7 +27,8 @@ from typing import Any, Iterator
 
 from ops.layout import describe_caches
 from ops.platform import Platform
-from transfer_factory.peer import PeerDescriptor, choose_transport, compatible_layouts
+from transfer_factory.peer import PeerDescriptor, compatible_layouts, usable_transports
+from transfer_factory.peer.ipc import PeerUnavailable
 from transfer_factory.peer.descriptor import TRANSPORTS, CacheLayout
 from transfer_factory.peer.handles import NO_GENERATION
 from transfer_factory.peer.heads import reader_spans, writer_spans
@@ -146,10 +147,20 @@ class PeerLinks:
 
     def _open_link(self, local: PeerDescriptor, peer: PeerDescriptor, forced: str | None,
                    head_bytes: dict[str, int]) -> PeerLink:
-        channel = self._channels[choose_transport(local, peer, forced)]
         kinds = {kind: nbytes * peer.layout.kv_heads for kind, nbytes in head_bytes.items()}
-        link = PeerLink(peer, channel, kinds)
-        link.state = channel.open(peer, kinds, link.name)
+        names = usable_transports(local, peer, forced)
+        for name, then in zip(names, names[1:]):
+            link = PeerLink(peer, self._channels[name], kinds)
+            try:
+                link.state = link.channel.open(peer, kinds, link.name)
+                return link
+            except PeerUnavailable as exc:  # one kernel, but not its /dev/shm (or its pids): another container
+                if name != "ipc":
+                    raise
+                self._log.warning("%s: same kernel, but its shared memory is not reachable from here (%s); "
+                                  "linking over %s instead", link.name, exc, then)
+        link = PeerLink(peer, self._channels[names[-1]], kinds)
+        link.state = link.channel.open(peer, kinds, link.name)
         return link
 
     def unlink(self, instance_id: str) -> bool:
