@@ -54,7 +54,7 @@ COMMON = textwrap.dedent("""
         engine.queue.put_transfer_task((CacheStatus.SWAP2CPU, f"out-{seed}", [1], [2], [0]))
         engine.signals_for(1)
         engine.queue.put_transfer_task((CacheStatus.GPU2STORAGE, WriteStorageTask(f"w-{seed}", keys, [], [2, 3])))
-        engine.signals_for(1)
+        engine.signals_for(2)  # one per rank
         for view in engine.views().values():
             view[[5, 10, 11]] = 0
         engine.queue.put_transfer_task((CacheStatus.SWAP2GPU, f"in-{seed}", [1], [5], [0]))
