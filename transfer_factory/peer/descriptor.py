@@ -11,6 +11,8 @@ moves whole blocks.  Transports are chosen by capability (``choose_transport``),
 """
 from __future__ import annotations
 
+import ipaddress
+
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
@@ -133,6 +135,13 @@ def usable_transports(local: PeerDescriptor, peer: PeerDescriptor, forced: str |
     both = [name for name in TRANSPORTS if name in local.transports and name in peer.transports]
     if local.boot_id != peer.boot_id or not local.boot_id:
         both = [name for name in both if name != "ipc"]
+        loopback = loopback_address(peer.transports.get("mooncake", {}).get("address"))
+        if loopback is not None and "mooncake" in both:  # its pod_ip left at 127.0.0.1: that is this host
+            if forced == "mooncake" or both == ["mooncake"]:
+                raise ValueError(f"peer {peer.instance_id} rank {peer.rank} runs on another host (boot id "
+                                 f"{peer.boot_id[:8]}…) but advertises the loopback Transfer Engine address "
+                                 f"{loopback}: start it with a pod_ip this host can reach")
+            both.remove("mooncake")
     if local.tp != peer.tp:  # each rank exchanges head ranges of blocks: whole-block transports cannot
         if forced in WHOLE_BLOCKS_ONLY:
             raise ValueError(f"transport {forced!r} moves whole blocks only: it cannot link TP {local.tp} to "
@@ -146,6 +155,19 @@ def usable_transports(local: PeerDescriptor, peer: PeerDescriptor, forced: str |
         raise ValueError(f"no transport in common: here {sorted(local.transports)}, peer {sorted(peer.transports)}"
                          + (" (ipc needs both on one host)" if "ipc" in local.transports else ""))
     return both
+
+
+def loopback_address(address: Any) -> str | None:
+    """``address`` (``host:port``) if its host is a loopback address (127/8, ::1, localhost), else None."""
+    if not isinstance(address, str) or ":" not in address:
+        return None
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return address
+    try:
+        return address if ipaddress.ip_address(host).is_loopback else None
+    except ValueError:  # a host name: resolved by the Transfer Engine, not judged here
+        return None
 
 
 def choose_transport(local: PeerDescriptor, peer: PeerDescriptor, forced: str | None = None) -> str:

@@ -2,6 +2,8 @@
 refuses, before any byte moves, two caches that would not mean the same thing block for block."""
 import dataclasses
 
+import re
+
 import pytest
 
 from cache_manager.queue import wire
@@ -59,13 +61,26 @@ def test_an_instance_linked_to_itself_is_refused():
 
 def test_the_transport_is_chosen_by_capability_and_ipc_needs_one_host():
     here = descriptor()
+    routable = {"ipc": {}, "mooncake": {"address": "10.1.2.3:17001"}}
     assert choose_transport(here, descriptor(instance="D")) == "ipc"
-    assert choose_transport(here, descriptor(instance="D", boot="boot-b")) == "mooncake"
+    assert choose_transport(here, descriptor(instance="D", boot="boot-b", transports=routable)) == "mooncake"
     assert choose_transport(here, descriptor(instance="D"), forced="mooncake") == "mooncake"
     with pytest.raises(ValueError, match="'ipc' is not offered"):
-        choose_transport(here, descriptor(instance="D", boot="boot-b"), forced="ipc")
+        choose_transport(here, descriptor(instance="D", boot="boot-b", transports=routable), forced="ipc")
     with pytest.raises(ValueError, match="no transport in common"):
         choose_transport(here, descriptor(instance="D", boot="boot-b", transports={"ipc": {}}))
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:17001", "127.9.9.9:1", "localhost:17001", "[::1]:17001"])
+def test_a_peer_on_another_host_advertising_a_loopback_address_is_refused_naming_it(address):
+    """Two hosts both left at pod_ip 127.0.0.1: the address would reach this host's own engine."""
+    here = descriptor()
+    there = descriptor(instance="D", boot="boot-b", transports={"ipc": {}, "mooncake": {"address": address}})
+    for forced in (None, "mooncake"):
+        with pytest.raises(ValueError, match=f"another host.*loopback Transfer Engine address {re.escape(address)}"):
+            choose_transport(here, there, forced=forced)
+    one_host = descriptor(instance="D", transports={"ipc": {}, "mooncake": {"address": address}})
+    assert choose_transport(here, one_host, forced="mooncake") == "mooncake"  # one host: loopback is right
 
 
 @pytest.mark.parametrize("mutate,field", [
