@@ -100,6 +100,7 @@ class EngineCore:
         self._send_lock = threading.Lock()  # one broadcast at a time, so a re-pause goes before the rest
         self._pause_lock = threading.Lock()  # the pause record; taken alone, or inside the send lock
         self._pause = PauseRecord(tp)
+        self._up_watchers: list[Callable[[int], None]] = []  # told when a rank's new process serves
         self._ids = itertools.count()
 
     def serve(self, server: EngineCacheQueueServer) -> None:
@@ -215,6 +216,17 @@ class EngineCore:
             repause = rank in self._pause.unheard()
         if repause:
             threading.Thread(target=self._repause_now, name=f"ctm-repause-{rank}", daemon=True).start()
+        for watcher in list(self._up_watchers):
+            try:
+                watcher(rank)
+            except Exception:
+                logger.exception("a watcher of rank %d coming up failed", rank)
+
+    def watch_rank_up(self, watcher: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``watcher(rank)`` whenever a new process of a rank serves (it must not block: it runs
+        on the thread that brought the rank up); returns the call that stops it."""
+        self._up_watchers.append(watcher)
+        return lambda: self._up_watchers.remove(watcher) if watcher in self._up_watchers else None
 
     def _repause_now(self) -> None:
         try:

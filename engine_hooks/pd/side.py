@@ -10,7 +10,9 @@
   layouts against its own, refusing with the first field that differs, and opens the transport
   both offer (or ``transport=`` if forced) to each peer rank it exchanges heads with: the rank of
   the same index when both run one TP size, otherwise those holding its kv heads
-  (``transfer_factory.peer.heads``; MLA: one rank, the latent is replicated).
+  (``transfer_factory.peer.heads``; MLA: one rank, the latent is replicated).  A rank whose process
+  is replaced (a crash and restart) starts with no links: every peer is linked again; one that
+  cannot be is unlinked and reported to ``on_link_lost(peer_id, reason)``, so ``linked()`` is true.
 - prefill side: ``expose(req_id)`` → a ``TransferHandle`` (``CacheKey(cluster, req_id)``): the
   engine keeps the request's blocks until ``retract(handle)`` (``remove_cache_key``), which it
   calls once the puller confirmed or it gave up, or its lease ends (``ttl``, 30 s by default, unless
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -58,7 +61,8 @@ def offer_for(transport: str) -> list[str]:
 
 class PrefillDecode:
     def __init__(self, service: Any, instance_id: str | None = None, control_timeout: float = 30.0,
-                 on_expire: Callable[[TransferHandle], None] | None = None):
+                 on_expire: Callable[[TransferHandle], None] | None = None,
+                 on_link_lost: Callable[[str, str], None] | None = None):
         if service.server is None:
             raise RuntimeError("start the service before its prefill/decode side")
         self._svc = service
@@ -72,6 +76,10 @@ class PrefillDecode:
         self._unwatch = service.resources.watch_generation(self.board.publish_generation)
         self._leases = LeaseReaper(self.board, on_expire, self.instance_id)  # handles expire unless renewed
         self._links: dict[str, str] = {}  # peer instance id -> transport
+        self._link_args: dict[str, tuple] = {}  # peer instance id -> (its descriptor, transport asked, offer)
+        self._relinks: list[threading.Thread] = []  # re-links after a rank restart (joined at close)
+        self._unwatch_up = service.core.watch_rank_up(self._rank_up)
+        self.on_link_lost = on_link_lost
         self._peer_writers: dict[str, list[int]] = {}  # peer instance id -> its ranks that push into us
         # peer instance id -> its writer ranks' processes, where linked on this host (a dead one writes no more)
         self._writer_procs: dict[str, dict[int, ProcessWatch]] = {}
@@ -115,7 +123,35 @@ class PrefillDecode:
         self._peer_writers[peer_id] = writers(self._svc.tp, spec.kv_heads, peer["tp"], layout["kv_heads"], spec.mla)
         self._watch_writers(peer_id, peer["ranks"] if answers[0] == "ipc" else [])
         self._links[peer_id] = answers[0]
+        self._link_args[peer_id] = (peer, transport, offer)
         return answers[0]
+
+    def _rank_up(self, rank: int) -> None:
+        """A rank's new process serves, with none of the links its predecessor had: link every peer
+        again (off the thread that brought it up).  A peer that cannot be linked again is unlinked,
+        logged, and reported to ``on_link_lost(peer_id, reason)``, so ``linked()`` stays true."""
+        if self._closed or not self._links:
+            return
+        thread = threading.Thread(target=self._relink_all, args=(rank,), name=f"pd-relink-{rank}", daemon=True)
+        self._relinks = [t for t in self._relinks if t.is_alive()] + [thread]
+        thread.start()
+
+    def _relink_all(self, rank: int) -> None:
+        for peer_id, (peer, transport, offer) in list(self._link_args.items()):
+            if self._closed or peer_id not in self._links:
+                continue
+            try:
+                chosen = self.link(peer, transport, offer)
+                logger.warning("rank %d restarted: linked %s again over %s", rank, peer_id, chosen)
+            except Exception as exc:
+                reason = f"rank {rank} restarted and the link could not be made again: {exc}"
+                logger.error("%s: %s; unlinked", peer_id, reason)
+                try:
+                    self.unlink(peer_id)
+                except Exception as unlink_exc:  # linked() is already false for it
+                    logger.warning("unlinking %s after a failed re-link: %s", peer_id, unlink_exc)
+                if self.on_link_lost is not None:
+                    self.on_link_lost(peer_id, reason)
 
     def _watch_writers(self, peer_id: str, ranks: list) -> None:
         """Watch the peer's rank processes (same host only: a pid means nothing on another host).
@@ -138,6 +174,7 @@ class PrefillDecode:
     def unlink(self, peer_id: str) -> bool:
         """Close every rank's link to ``peer_id``; pulls from it are refused from then on."""
         self._links.pop(peer_id, None)
+        self._link_args.pop(peer_id, None)
         self._peer_writers.pop(peer_id, None)
         self._watch_writers(peer_id, [])
         return any(self._control("pd_unlink", peer=peer_id))
@@ -230,6 +267,9 @@ class PrefillDecode:
         self._closed = True
         self._leases.stop()
         self._unwatch()
+        self._unwatch_up()
+        for thread in self._relinks:
+            thread.join(self._timeout)
         self.board.publish_generation(NO_GENERATION)  # retracts every handle; peers' links count nothing more
         for peer_id in list(self._links):
             try:

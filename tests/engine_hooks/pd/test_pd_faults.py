@@ -170,3 +170,28 @@ def test_a_push_to_a_stopped_decode_instance_fails_in_time_and_is_released_after
     while not decode_child.call("push_state", peer="prefill-0")["released"]:
         assert time.monotonic() < deadline, "the decode side never learnt that no write can land"
         time.sleep(0.2)
+
+
+def test_a_decode_rank_killed_and_restarted_gets_its_links_back(decode, prefill):
+    """A restarted rank held no P/D links while ``linked()`` still listed them: every pull failed
+    ``not linked`` on it until the engine linked again by hand."""
+    svc, d = decode
+    assert link_child(d, prefill, "ipc") == "ipc"
+    old = svc.pids()[1]
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while svc.pids().get(1) in (None, old) or svc.tracker.is_down(1):
+        assert time.monotonic() < deadline, "rank 1 was not restarted"
+        time.sleep(0.05)
+    handle = prefill.call("expose", req_id="after-restart")
+    want = prefill.call("digest", ids=[1, 2])
+    deadline = time.monotonic() + 20
+    while True:  # the re-link runs beside the restart: a pull may race it once
+        try:
+            assert d.pull_blocks("prefill-0", handle, [1, 2], [3, 4]).result(timeout=20) == [3, 4]
+            break
+        except TaskFailedError as exc:
+            assert "not linked" in str(exc) and time.monotonic() < deadline, exc
+            time.sleep(0.1)
+    assert local_digests(svc, [3, 4]) == want
+    assert d.linked() == {"prefill-0": "ipc"}
