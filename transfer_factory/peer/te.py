@@ -17,8 +17,10 @@ README says it belongs behind a firewall or on a private fabric (DESIGN §3.11).
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -71,8 +73,14 @@ class Inflight:
 
 
 def listening_ports(pid: int | str = "self") -> set[int]:
-    """TCP ports process ``pid`` listens on (its sockets in /proc/<pid>/fd matched to the kernel's
-    tables); empty where /proc says nothing."""
+    """TCP ports process ``pid`` listens on; empty where /proc says nothing."""
+    return {port for _, port in listening_sockets(pid)}
+
+
+def listening_sockets(pid: int | str = "self") -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket process ``pid`` listens on (its sockets in /proc/<pid>/fd
+    matched to the kernel's tables; ``0.0.0.0`` or ``::``: every interface); empty where /proc says
+    nothing."""
     inodes = set()
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -84,7 +92,7 @@ def listening_ports(pid: int | str = "self") -> set[int]:
                 inodes.add(target[8:-1])
     except OSError:
         return set()
-    ports = set()
+    found = set()
     for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
         try:
             with open(table, encoding="ascii") as f:
@@ -94,8 +102,21 @@ def listening_ports(pid: int | str = "self") -> set[int]:
         for row in rows:
             cols = row.split()
             if len(cols) > 9 and cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
-                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
+                address, port = cols[1].rsplit(":", 1)
+                found.add((_proc_address(address), int(port, 16)))
+    return found
+
+
+def socket_text(address: str, port: int) -> str:
+    """``address:port`` as a log says where something listens (``[v6]:port``; a wildcard says so)."""
+    text = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    return text + (" (every interface)" if address in ("0.0.0.0", "::") else "")
+
+
+def _proc_address(hex_address: str) -> str:
+    """/proc/net/tcp's address (host-order 32-bit words in hex) as text."""
+    raw = b"".join(int(hex_address[i:i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(hex_address), 8))
+    return str(ipaddress.ip_address(raw))
 
 
 def coalesce(local: Sequence[int], remote: Sequence[int], length: int) -> tuple[list[int], list[int], list[int]]:
@@ -174,7 +195,7 @@ class TransferEngineEndpoint:
             if self._engine is None:
                 from mooncake.engine import TransferEngine  # the wheel is optional for same-host P/D
 
-                before = listening_ports()
+                before = listening_sockets()
                 engine = TransferEngine()
                 rc = engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, "")
                 if rc != 0:
@@ -182,10 +203,11 @@ class TransferEngineEndpoint:
                                             f"({self.protocol}): return code {rc}")
                 self._engine = engine
                 self.address = f"{self.hostname}:{engine.get_rpc_port()}"
-                self.ports = sorted(listening_ports() - before)
-                self._log.warning("Transfer Engine open at %s (%s), listening on ports %s: they accept "
-                                  "connections on every interface and have no authentication; keep them on "
-                                  "a private fabric", self.address, self.protocol, self.ports or "unknown")
+                opened = sorted(listening_sockets() - before, key=lambda s: s[1])
+                self.ports = [port for _, port in opened]
+                self._log.warning("Transfer Engine open: peers reach it at %s (%s); it listens on %s, with no "
+                                  "authentication: keep them on a private fabric", self.address, self.protocol,
+                                  ", ".join(socket_text(a, p) for a, p in opened) or "ports unknown")
             return self.address
 
     def register(self, address: int, nbytes: int) -> None:

@@ -10,7 +10,7 @@ import pytest
 from cache_manager.cache_spec import CacheSpec
 from engine_hooks.core.errors import TaskFailedError, TaskTimeoutError
 from tests.pd_helpers import child_instance, link_child, local_digests, local_instance
-from transfer_factory.peer.te import listening_ports
+from transfer_factory.peer.te import listening_ports, listening_sockets, socket_text
 from tests.service_helpers import fill_distinct, process_gone
 
 SPEC = dict(num_layers=4, num_blocks=32, kv_heads=2, block_size=4, head_dim=8)
@@ -36,8 +36,12 @@ def test_a_pull_from_a_killed_prefill_instance_fails_naming_it_and_decode_serves
     ports = {pid: listening_ports(pid) for pid in list(svc.pids().values()) + prefill.rank_pids}
     if transport == "ipc":  # the same-host path opens no port, on either side
         assert ports == {pid: set() for pid in ports}, ports
-    else:  # every rank's Transfer Engine listens (RPC and data port), as it logged
+    else:  # every rank's Transfer Engine listens (RPC and data port), as it logged: where, truly
         assert all(len(p) >= 2 for p in ports.values()), ports
+        for rank, proc in svc.procs.items():
+            line = next(l for l in open(proc.log_path) if "Transfer Engine open: peers reach it at" in l)
+            for address, port in listening_sockets(proc.pid):
+                assert socket_text(address, port) in line, (rank, line)
     handle = prefill.call("expose", req_id="r1")
     assert d.pull_blocks("prefill-0", handle, [1, 2], [3, 4]).result(timeout=20) == [3, 4]
     before = local_digests(svc, [5, 6])
