@@ -271,12 +271,16 @@ def result_body(result: RankResult) -> dict:
 
 @dataclass
 class Outcome:
-    """What a rank's task body returns: its value, the bytes it moved, and, when an I/O that
-    touches the task's blocks outlived the deadline, that I/O's future: the rank answers now
-    and reports the release once the future is done."""
+    """What a rank's task body returns: its value, the bytes it moved, and the futures of I/O
+    that outlived the deadline.  ``still_running``: an I/O that still touches the task's blocks;
+    the rank answers now (``released=False``) and reports the release once it is done.
+    ``still_storing``: a staged storage write that touches none of the task's blocks (it reads
+    its own snapshot) but may still store objects; the answer releases the blocks at once, and
+    the rank counts the task in flight (a drain or an RL clear waits) until the call returns."""
 
     value: Any = None
     bytes_moved: int = 0
     still_running: Any = None  # concurrent.futures.Future | None
     storage_calls: int = 0
     storage_failures: int = 0
+    still_storing: Any = None  # concurrent.futures.Future | None

@@ -17,7 +17,11 @@ order).  Contracts:
   touches its blocks afterwards.  A body may return an ``Outcome`` with ``still_running``: an
   I/O that touches the task's blocks and outlived the deadline.  The answer then leaves at
   once with ``released=False``, and a release note follows when that I/O ends; the task's
-  blocks stay ordered behind it until then.
+  blocks stay ordered behind it until then.  An ``Outcome`` with ``still_storing`` names an
+  I/O that outlived the deadline but touches none of the task's blocks (a staged storage
+  write storing its own snapshot): the answer leaves with ``released=True`` and the blocks go
+  to the next task at once, but the task counts as ``active`` until that I/O ends, so a
+  drain (pause, sleep, RL clear) still waits for it.
 * **Nothing kills the caller.** A body's exception becomes an error answer; a failure to send
   is logged.
 """
@@ -121,7 +125,7 @@ class TaskScheduler:
         self._waiting: set[_Entry] = set()
         self._deadlines: list[tuple[float, int, _Entry]] = []  # heap over waiting tasks; stale heads are skipped
         self.dropped = 0  # tasks answered without being started (deadline passed)
-        self._active = 0  # tasks submitted and not finished (waiting, running, or held by a late I/O)
+        self._active = 0  # tasks submitted and not finished (waiting, running, or with a late I/O running)
         self._active_by_pool: dict[str, int] = {}  # the same, per pool: a drain leaves the control pool out
 
     # ------------------------------------------------------------------ intake (serve thread)
@@ -183,7 +187,7 @@ class TaskScheduler:
             return len(self._waiting)
 
     def active(self, excluding: Iterable[str] = ()) -> int:
-        """Tasks not finished: waiting, running, or holding their blocks for a late I/O; ``excluding``
+        """Tasks not finished: waiting, running, or with a late I/O still running; ``excluding``
         leaves those of the named pools out (a pause drains every task but the control tasks)."""
         with self._lock:
             return self._active - sum(self._active_by_pool.get(p, 0) for p in excluding)
@@ -219,11 +223,12 @@ class TaskScheduler:
         entry.state = "running"
         t0 = time.perf_counter()
         late: Future | None = None
+        storing: Future | None = None
         try:
             out = entry.fn()
             if not isinstance(out, Outcome):
                 out = Outcome(value=out)
-            late = out.still_running
+            late, storing = out.still_running, out.still_storing
             result = RankResult(entry.task_id, self._rank, True, value=out.value, recv_seq=entry.seq,
                                 bytes_moved=int(out.bytes_moved), released=late is None,
                                 storage_calls=out.storage_calls, storage_failures=out.storage_failures)
@@ -233,16 +238,42 @@ class TaskScheduler:
                                 recv_seq=entry.seq)
         result.elapsed_ms = (time.perf_counter() - t0) * 1e3
         self._answer(entry, result)
-        if late is None:
+        if storing is not None:
+            self._outlive(entry, late, storing)
+        elif late is None:
             self._finish(entry)
         else:
             late.add_done_callback(lambda _f: self._release_late(entry))
 
-    def _release_late(self, entry: _Entry) -> None:
+    def _outlive(self, entry: _Entry, late: Future | None, storing: Future) -> None:
+        """A task whose late I/O ``storing`` touches none of its blocks: they go at once (or once
+        ``late``, an I/O that does touch them, is done); the task stays active until both are."""
+        pending = [f for f in (late, storing) if f is not None]
+        left, lock = [len(pending)], threading.Lock()
+
+        def ended(_f: Future) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self._log.info("task %s: the storage call that outlived its deadline has returned", entry.task_id)
+                self._retire(entry)
+
+        if late is None:
+            self._release(entry)
+        else:
+            late.add_done_callback(lambda _f: self._release_late(entry, retire=False))
+        for future in pending:
+            future.add_done_callback(ended)
+
+    def _release_late(self, entry: _Entry, retire: bool = True) -> None:
         self._log.warning("task %s: the I/O that outlived its deadline has ended; its blocks are released",
                           entry.task_id)
         self._answer(entry, RankResult(entry.task_id, self._rank, True, recv_seq=entry.seq, released=True))
-        self._finish(entry)
+        if retire:
+            self._finish(entry)
+        else:
+            self._release(entry)
 
     def _drop(self, entry: _Entry, why: str) -> None:
         self.dropped += 1
@@ -261,6 +292,7 @@ class TaskScheduler:
             self._log.error("cannot send the answer to task %s: %s", entry.task_id, exc)
 
     def _finish(self, entry: _Entry) -> None:
+        """``_release`` and ``_retire`` at once (one lock)."""
         with self._lock:
             self._active -= 1
             self._active_by_pool[entry.pool] -= 1
@@ -268,3 +300,17 @@ class TaskScheduler:
                 if self._last.get(r) is entry:
                     del self._last[r]
         entry.done.set_result(None)
+
+    def _release(self, entry: _Entry) -> None:
+        """Nothing of the task touches its resources any more: the tasks waiting for them go on."""
+        with self._lock:
+            for r in entry.resources:
+                if self._last.get(r) is entry:
+                    del self._last[r]
+        entry.done.set_result(None)
+
+    def _retire(self, entry: _Entry) -> None:
+        """Nothing of the task runs any more: it no longer counts as active."""
+        with self._lock:
+            self._active -= 1
+            self._active_by_pool[entry.pool] -= 1
