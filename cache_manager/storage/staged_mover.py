@@ -12,12 +12,16 @@ move the bytes, chosen from what the platform and the backend say they can do:
   into the device blocks on the task's thread, only if the whole call succeeded before the
   deadline.  A backend call that outlives its task touches only its staging buffer, which
   stays out of use until the call returns: a late call can neither change a device block
-  nor store bytes the engine wrote after the task.  Nor does it store anything after the
-  answer (DESIGN §3.8): a write call runs under the task's ``CommitLease``, revoked before the
-  task answers; a backend that honours leases (the file store) then commits nothing, and a
-  call that had begun committing, or whose backend cannot honour a lease (Mooncake's put is
-  one call), is reported still in flight (``released=False``) until it returns, so the engine
-  and an RL clear count it.  A backend that reads by CPU copies
+  nor store bytes the engine wrote after the task.  A write call runs under the task's
+  ``CommitLease`` (``write_leases``), revoked before the task answers; a backend that honours
+  leases (the file store) then commits nothing.  A call that had begun committing, or whose
+  backend cannot honour a lease (Mooncake's put is one call), may still store its objects
+  after the answer, a deviation from DESIGN §3.8 with the snapshot's bytes only: the task
+  answers at its deadline with the leading run stored before it (that chunk counts 0 blocks)
+  and its device blocks released (``Outcome.still_storing``, not ``still_running``), so
+  neither the engine's done signal nor a later task on those blocks waits for a frozen
+  store; the rank still counts the call as a task in flight, so a drain or an RL clear waits
+  for it before it closes the store or frees the caches.  A backend that reads by CPU copies
   (``staged_read_piece_bytes``, the file store), on a platform whose copies cannot stall,
   is read in pieces when a chunk spans several: the I/O thread reads a piece into the first
   staging slots and scatters it while it is still in the CPU cache, under a ``ScatterLease``
@@ -39,7 +43,6 @@ failed tasks, never as memory growth or a hang.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -59,6 +62,7 @@ from cache_manager.storage.io_threads import (IO_BACKLOG, KIND_TAGS, ClosesOffTh
                          wait_call)
 from cache_manager.storage.staging import StagingBuffer, StagingBuffers
 from cache_manager.storage.transfer_modes import resolve_transfer
+from cache_manager.storage.write_leases import WriteLeases
 
 STAGING_BUFFERS = 2  # per direction: one for the task at hand, one held by a call that outlived its task
 
@@ -83,6 +87,7 @@ class _Chunk:
 
     blocks: int = 0
     still_running: Future | None = None  # a direct call past the deadline: it still touches the blocks
+    still_storing: Future | None = None  # a staged write past the deadline that may still commit (its snapshot)
 
 
 class StorageMover(ClosesOffThread):
@@ -109,9 +114,7 @@ class StorageMover(ClosesOffThread):
         # threads that move the bytes (io_nice, see storage_io.IOThread).
         nice = int(getattr(backend, "io_nice", 0) or 0)
         self._io = {d: IOThread(f"storage-{d}-io", io_backlog, nice) for d in ("read", "write")}
-        self._honours_lease = bool(getattr(backend, "honours_commit_lease", False))
-        self._leases: set[CommitLease] = set()   # of write calls not yet returned: revoked by a close
-        self._leases_lock = threading.Lock()
+        self._leases = WriteLeases(bool(getattr(backend, "honours_commit_lease", False)), backend.name, log)
         if self.direct:
             for g in self.groups:
                 for t in g.tensors:
@@ -190,7 +193,7 @@ class StorageMover(ClosesOffThread):
         stats = begin_task_stats()
         check_block_ids(task.gpu_block_ids, task.keys, self.device_blocks, "write")
         stored = self._present(task.keys, deadline, "write")
-        total, written, late = stored, 0, None
+        total, written, chunk = stored, 0, _Chunk()
         for start in range(stored, len(task.keys), self.max_blocks):
             if time.monotonic() >= deadline:
                 break
@@ -198,11 +201,10 @@ class StorageMover(ClosesOffThread):
             chunk = self._write_chunk(task.keys[start:end], task.gpu_block_ids[start:end], deadline)
             total += chunk.blocks
             written += chunk.blocks
-            late = chunk.still_running
             if chunk.blocks < end - start:
                 break
-        return Outcome(list(task.gpu_block_ids[:total]), written * self._block_bytes(), late, stats.calls,
-                       stats.failures)
+        return Outcome(list(task.gpu_block_ids[:total]), written * self._block_bytes(), chunk.still_running,
+                       stats.calls, stats.failures, still_storing=chunk.still_storing)
 
     def _write_chunk(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float) -> _Chunk:
         keys = self._all_keys(hashes)
@@ -235,34 +237,14 @@ class StorageMover(ClosesOffThread):
         if future is None:
             self._staging.give_back("write", buf)
             return _Chunk()
-        with self._leases_lock:
-            self._leases.add(lease)
-
-        def returned(_f: Future) -> None:  # also on cancel
-            self._staging.give_back("write", buf)
-            with self._leases_lock:
-                self._leases.discard(lease)
-
-        future.add_done_callback(returned)
-        res, running = self._wait(future, deadline, what)  # a late call only reads its own snapshot
-        if running:
-            return self._late_write(future, lease, what)
+        self._leases.track(lease, future)
+        future.add_done_callback(lambda _f: self._staging.give_back("write", buf))  # also on cancel
+        res, running = self._wait(future, deadline, what)
+        if running:  # it reads only its own snapshot: the device blocks are free whatever it does
+            return _Chunk(still_storing=self._leases.late(future, lease, what))
         if res is None:
             return _Chunk()
         return _Chunk(leading(self._per_block([r == 0 for r in res], len(hashes))))
-
-    def _late_write(self, future: Future, lease: CommitLease, what: str) -> _Chunk:
-        """A staged write still running at its task's deadline: revoke its lease before the task
-        answers.  Unless the backend had begun committing, or cannot honour a lease, it now stores
-        nothing; otherwise its objects may still land, so the answer reports the call in flight."""
-        committing = lease.revoke()
-        if committing or not self._honours_lease:
-            self.log.error("storage %s: the late call may still store its objects (%s); the answer reports it "
-                           "in flight until it returns", what,
-                           "it had begun committing" if committing else f"{self.backend.name} cannot refuse a commit")
-            return _Chunk(still_running=future)
-        self.log.warning("storage %s: its lease is revoked; the late call stores nothing", what)
-        return _Chunk()
 
     def _finish_direct(self, future: Future | None, deadline: float, what: str,
                        ok: Callable[[list[int]], list[bool]], n: int) -> _Chunk:
@@ -390,10 +372,7 @@ class StorageMover(ClosesOffThread):
     # ------------------------------------------------------------------ close (ClosesOffThread)
     def _before_close(self) -> None:
         """A write call still running commits nothing from now on (the RL clear, the CTM's exit)."""
-        with self._leases_lock:
-            leases = list(self._leases)
-        for lease in leases:
-            lease.revoke()
+        self._leases.revoke_all()
 
     def _free_buffers(self) -> None:
         self._staging.free_all()                  # idempotent
