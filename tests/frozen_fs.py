@@ -1,10 +1,10 @@
 """A real ext4 file system on a loop device that a test can freeze, for faults of a frozen store.
 
-``loop_ext4(directory)`` makes an image under ``directory`` (``truncate`` + ``mkfs.ext4 -q``), mounts
-it with ``mount -o loop`` and yields a ``LoopFs``; ``freeze()`` is ``fsfreeze -f`` (what a snapshot
+``loop_ext4(directory)`` makes an image under ``directory`` (``truncate`` + ``mkfs.ext4 -q``), attaches
+it to a loop device (``losetup``), mounts it and yields a ``LoopFs``; ``freeze()`` is ``fsfreeze -f`` (what a snapshot
 tool or a stalled SAN does: every writer to it blocks in uninterruptible sleep, D state, until the
 thaw, and no signal ends it), ``thaw()`` is ``fsfreeze -u``.  The context always thaws, then
-unmounts (the loop device goes with the mount), whatever the test did.  A test must thaw before it
+unmounts and detaches the loop device, whatever the test did.  A test must thaw before it
 waits for a process that may be writing there (stopping a CTM, say): only the thaw ends such a
 wait.  The test process itself must not write there while frozen.
 
@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 TOOLS = ("truncate", "mkfs.ext4", "mount", "umount", "fsfreeze", "losetup")
 CMD_TIMEOUT_S = 60.0   # none of these commands waits for a frozen writer (umount only runs thawed)
 UMOUNT_TRIES = 20      # an umount right after a process let go of the mount may find it busy a moment
+DETACH_WAIT_S = 5.0    # how long a detached loop device may still be listed for its image
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -35,8 +36,9 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class LoopFs:
-    def __init__(self, image: Path, mount: Path) -> None:
+    def __init__(self, image: Path, device: str, mount: Path) -> None:
         self.image = image
+        self.device = device
         self.mount = mount
         self.frozen = False
 
@@ -70,11 +72,26 @@ class LoopFs:
         else:
             logger.error("umount %s kept failing: detaching it lazily", self.mount)
             _run("umount", "-l", str(self.mount), check=False)
-        left = _run("losetup", "-j", str(self.image), check=False).stdout.split()
-        if left:  # autoclear detaches the loop device at the umount; one left over is detached here
-            device = left[0].rstrip(":")
-            logger.error("loop device %s still backs %s: detaching it", device, self.image)
-            _run("losetup", "-d", device, check=False)
+        self.detach()
+
+    def attached(self) -> bool:
+        """Whether a loop device still backs the image."""
+        return bool(_run("losetup", "-j", str(self.image), check=False).stdout.strip())
+
+    def detach(self) -> None:
+        """Detach the loop device (unmounted) and wait until the kernel no longer lists it."""
+        _run("losetup", "-d", self.device, check=False)  # ENXIO: already detached
+        deadline = time.monotonic() + DETACH_WAIT_S
+        while self.attached():
+            if time.monotonic() >= deadline:
+                # Seen when another process made a mount namespace while the file system was mounted
+                # (a concurrent test's unshare): its copy of the mount holds the device.  The detach
+                # set autoclear, so the kernel lets the device go when that namespace ends.
+                logger.warning("loop device %s still backs %s %.0fs after its detach: another mount namespace "
+                               "holds a copy of the mount; it detaches when that namespace ends", self.device,
+                               self.image, DETACH_WAIT_S)
+                return
+            time.sleep(0.1)
 
 
 def skip_reason() -> str | None:
@@ -96,10 +113,14 @@ def loop_ext4(directory: Path, size_mb: int = 64) -> Iterator[LoopFs]:
     mount.mkdir()
     _run("truncate", "-s", f"{size_mb}M", str(image))
     _run("mkfs.ext4", "-q", "-F", str(image))
-    res = _run("mount", "-o", "loop", str(image), str(mount), check=False)
+    res = _run("losetup", "--find", "--show", str(image), check=False)
     if res.returncode:
-        pytest.skip(f"cannot loop-mount an ext4 image here (mount exited {res.returncode}: {res.stderr.strip()})")
-    fs = LoopFs(image, mount)
+        pytest.skip(f"no loop device here (losetup exited {res.returncode}: {res.stderr.strip()})")
+    fs = LoopFs(image, res.stdout.strip(), mount)
+    res = _run("mount", "-t", "ext4", fs.device, str(mount), check=False)
+    if res.returncode:
+        fs.detach()
+        pytest.skip(f"cannot mount an ext4 loop device here (mount exited {res.returncode}: {res.stderr.strip()})")
     try:
         yield fs
     finally:

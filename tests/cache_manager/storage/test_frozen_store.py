@@ -180,3 +180,4 @@ def test_a_write_stalled_on_a_frozen_store_answers_in_budget_and_frees_its_block
             leftovers = engine.close()  # thawed above: no CTM is left blocked on the store
         assert leftovers == []
         assert all(not p.alive() for p in engine.procs.values())
+    assert not os.path.ismount(fs.mount), "the loop file system was left mounted"
