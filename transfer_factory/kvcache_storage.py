@@ -37,8 +37,10 @@ about this size and scatters each while it is still in the CPU cache.
 ``honours_commit_lease`` (False: never) says that ``batch_set[_multi]`` asks the calling thread's
 ``CommitLease`` (``commit_lease``) just before its commit point and stores nothing when refused:
 the CTM can then let a write call outlive its task without an object landing after the answer
-(DESIGN §3.8).  A backend that cannot (one opaque SDK call) leaves it False, and the CTM reports
-such a call as still in flight.
+(DESIGN §3.8).  A backend that cannot (one opaque SDK call) leaves it False: such a call, or one
+that had begun committing, may store its objects after the answer; they hold the snapshot taken
+while the task owned its blocks, the answer counts them as not stored, the task's blocks are free
+at once, and every drain (pause, sleep, RL clear) waits for the call (``Outcome.still_storing``).
 """
 from __future__ import annotations
 
@@ -151,9 +153,9 @@ class CommitLease:
     that made it still waits for it: DESIGN §3.8, no object is written after the task's result
     left the rank.  The backend calls ``begin()`` just before its commit point and stores nothing
     when it answers False, then ``end()``; the task calls ``revoke()`` before it answers, which
-    says whether a commit is under way (begun, not ended): then the answer reports the call as
-    still in flight.  ``revoke`` never waits for the backend, so a stalled disk cannot delay an
-    answer."""
+    says whether a commit is under way (begun, not ended): then the call may still store the
+    snapshot after the answer, and the rank keeps the task active until it returns.  ``revoke``
+    never waits for the backend, so a stalled disk cannot delay an answer."""
 
     def __init__(self, deadline: float) -> None:
         self.deadline = deadline

@@ -15,8 +15,8 @@ CLEARED -2); the serve loop calls ``step()`` every iteration.
    thread: it waits, polling, up to ``STORAGE_CLOSE_WAIT`` for backend calls that outlived their
    tasks (the backend is never closed under a running call: it closes once they return), then
    goes on, logging and counting (``late_storage_calls``) those still running.  None of them can
-   store an object: a write that could is reported in flight and held the drain of step 2, and
-   the others' commit leases are revoked (DESIGN §3.8);
+   store an object: a write that could kept its task active (``Outcome.still_storing``) and held
+   the drain of step 2, and the others' commit leases are revoked (DESIGN §3.8);
 4. frees its host swap space when ``FD_ENABLE_SWAP_SPACE_CLEARING`` is set
    (``swap_space_ready_signal[rank] = 0``);
 5. detaches every device cache and sets ``cache_ready_signal[rank] = 0`` and
