@@ -18,8 +18,12 @@ empty).  ``pid`` is the master's pid (SIGSTOP/SIGCONT in fault tests).  With
 ``die_with_parent`` (default) the master gets SIGTERM if this process dies, even by SIGKILL
 (Linux; strictly, when the thread that started it exits).
 
-Binds: the RPC server and the metrics server listen on 127.0.0.1 only.  Clients use
-``P2PHANDSHAKE`` metadata (each client answers its peers' handshakes itself), so by default
+Binds: the RPC server and the metrics server listen on 127.0.0.1 only, unless ``host`` names
+another address of this host: then the RPC server listens on that address only (``--rpc_address``;
+the readiness probe connects there), so clients on other hosts can reach it, and the metrics
+server stays on 127.0.0.1.  ``config()`` then leaves ``local_hostname`` out: every client must
+give its own host's address (a loopback one is refused: ``transfer_factory/mooncake/config.py``).
+Clients use ``P2PHANDSHAKE`` metadata (each client answers its peers' handshakes itself), so by default
 the master runs no metadata server at all.  ``http_metadata=True`` turns on the master's
 embedded HTTP metadata server, but Mooncake 0.3.13 binds that one to 0.0.0.0 whatever
 ``--http_metadata_server_host`` says (``HttpMetadataServer`` constructs its
@@ -47,6 +51,7 @@ the mounted segments and ``wait_for_segments(n)`` waits until at most ``n`` are.
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import logging
 import os
 import shutil
@@ -108,6 +113,18 @@ def _die_with_parent() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
+def _bind_host(host: str) -> str:
+    """The IP literal the master's RPC server binds to; a wildcard or a name is refused (clients
+    need the one address they reach it at, and the readiness probe connects there)."""
+    try:
+        addr = ipaddress.ip_address(str(host).strip().strip("[]"))
+    except ValueError:
+        raise MooncakeMasterError(f"master address {host!r} must be an IP address of this host") from None
+    if addr.is_unspecified:
+        raise MooncakeMasterError(f"master address {host!r} is a wildcard: give the address clients reach it at")
+    return str(addr)
+
+
 class LocalMooncakeMaster:
     """One ``mooncake_master`` process on loopback; see the module docstring."""
 
@@ -115,7 +132,8 @@ class LocalMooncakeMaster:
                  rpc_port: int | None = None, http_port: int | None = None, metrics_port: int | None = None,
                  extra_args: list[str] | None = None, binary: str | None = None,
                  start_timeout: float = 20.0, stop_grace: float = 5.0, log_dir: str | None = None,
-                 die_with_parent: bool = True, http_metadata: bool = False) -> None:
+                 die_with_parent: bool = True, http_metadata: bool = False, host: str = LOOPBACK) -> None:
+        self.host = _bind_host(host)
         self.binary = binary or find_master_binary()
         self.lease_ttl_ms = int(lease_ttl_ms)
         self.client_ttl_s = client_ttl_s
@@ -141,27 +159,39 @@ class LocalMooncakeMaster:
         return self._log.path
 
     @property
+    def on_loopback(self) -> bool:
+        return ipaddress.ip_address(self.host).is_loopback
+
+    def _hostport(self, port: int | None) -> str:
+        return f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
+
+    @property
     def master_server_addr(self) -> str:
-        return f"{LOOPBACK}:{self.rpc_port}"
+        return self._hostport(self.rpc_port)
 
     @property
     def metadata_server(self) -> str:
         """``P2PHANDSHAKE``, or the embedded server's URL with ``http_metadata``."""
-        return f"http://{LOOPBACK}:{self.http_port}/metadata" if self.http_metadata else P2P_METADATA
+        return f"http://{self._hostport(self.http_port)}/metadata" if self.http_metadata else P2P_METADATA
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
     def config(self) -> dict[str, Any]:
-        """The options a ``MooncakeStore`` (or ``MooncakeDistributedStore.setup``) needs."""
-        return {
+        """The options a ``MooncakeStore`` (or ``MooncakeDistributedStore.setup``) needs.  With a
+        master on another address than loopback, ``local_hostname`` is left out: each client gives
+        the address of its own host."""
+        config = {
             "local_hostname": LOOPBACK,
             "metadata_server": self.metadata_server,
             "master_server_addr": self.master_server_addr,
             "protocol": "tcp",
             "rdma_devices": "",
         }
+        if not self.on_loopback:
+            del config["local_hostname"]
+        return config
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -197,13 +227,13 @@ class LocalMooncakeMaster:
     def _argv(self) -> list[str]:
         argv = [
             self.binary,
-            f"--rpc_port={self.rpc_port}", f"--rpc_address={LOOPBACK}",
+            f"--rpc_port={self.rpc_port}", f"--rpc_address={self.host}",
             f"--metrics_port={self.metrics_port}", f"--metrics_host={LOOPBACK}",
             f"--default_kv_lease_ttl={self.lease_ttl_ms}",
         ]
         if self.http_metadata:
             argv += ["--enable_http_metadata_server=true", f"--http_metadata_server_port={self.http_port}",
-                     f"--http_metadata_server_host={LOOPBACK}"]
+                     f"--http_metadata_server_host={self.host}"]
         if self.client_ttl_s is not None:
             argv.append(f"--client_ttl={int(self.client_ttl_s)}")
         return argv + self.extra_args
@@ -226,7 +256,7 @@ class LocalMooncakeMaster:
                 code = None if self._proc is None else self._proc.returncode
                 raise MooncakeMasterError(f"{BINARY} exited with status {code} while starting "
                                           f"(rpc {self.master_server_addr}); log tail:\n{self.log_tail()}")
-            rpc_ok = rpc_ok or (tcp_answers(self.rpc_port) and self._owns_listener(self.rpc_port))
+            rpc_ok = rpc_ok or (tcp_answers(self.rpc_port, self.host) and self._owns_listener(self.rpc_port))
             http_ok = http_ok or not self.http_metadata or (
                 rpc_ok and self._owns_listener(self.http_port) and self._http_answers())
             if rpc_ok and http_ok:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Start a local mooncake_master on loopback and run until SIGINT/SIGTERM.
+"""Start a mooncake_master (on loopback, or on an address other hosts reach) and run until SIGINT/SIGTERM.
 
 Prints one JSON line with what a client needs (master_server_addr, metadata_server, protocol,
 local_hostname, ...), usable as a ``MOONCAKE_CONFIG_PATH`` file or as the storage options of
@@ -9,7 +9,15 @@ the CTM, e.g.:
     MOONCAKE_CONFIG_PATH=/tmp/mooncake.json python -m cache_manager.cache_transfer_manager ... \\
         --kvcache_storage_backend mooncake
 
-Everything listens on 127.0.0.1; ports are free ones unless given.  Clients use P2PHANDSHAKE
+Everything listens on 127.0.0.1; ports are free ones unless given.  ``--rpc-address ADDR`` (also
+spelled ``--rpc_address``, ``--host``; an IP address of this host) binds the master's RPC port to
+that address only and probes it there, for a pool across hosts; the printed config then has no
+``local_hostname``: each client sets its own host's address (``MOONCAKE_LOCAL_HOSTNAME`` or the
+``local_hostname`` option; a loopback one is refused with a non-loopback master), e.g.
+
+    python scripts/start_mooncake_master.py --rpc-address 10.0.0.1 --rpc-port 50051 --client-ttl 10
+
+The metrics port stays on 127.0.0.1 either way.  Clients use P2PHANDSHAKE
 metadata, so no metadata server runs (``--http-metadata`` starts the master's embedded one,
 which Mooncake 0.3.13 binds to every interface).  The master's log is appended to
 ``<--log-dir>/mooncake_master.log`` (default ``$CTM_LOG_DIR``, else ``./log``).  The master is
@@ -34,6 +42,9 @@ from scripts.local_mooncake_master import LocalMooncakeMaster, MooncakeMasterErr
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rpc-port", type=int, default=None, help="master RPC port (default: a free one)")
+    p.add_argument("--rpc-address", "--rpc_address", "--host", dest="rpc_address", default="127.0.0.1",
+                   help="the IP address of this host the RPC port binds to, which clients on other hosts "
+                        "connect to (default: 127.0.0.1, this host only)")
     p.add_argument("--http-metadata", action="store_true",
                    help="run the master's HTTP metadata server (it listens on every interface in Mooncake 0.3.13)")
     p.add_argument("--http-port", type=int, default=None,
@@ -58,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         master = LocalMooncakeMaster(lease_ttl_ms=args.lease_ttl_ms, client_ttl_s=args.client_ttl,
                                      rpc_port=args.rpc_port, http_port=args.http_port, metrics_port=args.metrics_port,
                                      extra_args=args.extra, binary=args.binary, start_timeout=args.start_timeout,
-                                     log_dir=args.log_dir, http_metadata=args.http_metadata)
+                                     log_dir=args.log_dir, http_metadata=args.http_metadata, host=args.rpc_address)
         master.start()
     except MooncakeMasterError as e:
         print(f"start_mooncake_master: {e}", file=sys.stderr)

@@ -10,9 +10,16 @@ Mooncake's spellings are accepted (two spellings with different values are an er
                                                    (default "P2PHANDSHAKE": no metadata service needed)
     protocol                                     MOONCAKE_PROTOCOL                    (default "tcp")
     rdma_devices | device_name                   MOONCAKE_DEVICE | MOONCAKE_RDMA_DEVICES (default "")
-    local_hostname                               MOONCAKE_LOCAL_HOSTNAME | LOCAL_HOSTNAME (default 127.0.0.1)
+    local_hostname                               MOONCAKE_LOCAL_HOSTNAME | LOCAL_HOSTNAME (default 127.0.0.1;
+                                                   also read from the environment when a JSON file
+                                                   leaves it out)
     global_segment_size                          MOONCAKE_GLOBAL_SEGMENT_SIZE  (default 512 MiB; int or "1gb")
     local_buffer_size                            MOONCAKE_LOCAL_BUFFER_SIZE    (default 64 MiB)
+
+A pool across hosts: ``local_hostname`` is the address other hosts reach this client's segment
+at (Mooncake names the segment after it and advertises it to readers).  A loopback one with a
+master that is not on loopback is refused (``check_pool_addresses``, at the store's start): the
+client's writes would succeed while no other host could read them.
 
 Tuning (``options`` or the JSON file): ``rpc_timeout_ms`` (5000), ``rpc_connect_timeout_ms``
 (2000), ``setup_retries`` (3), ``probe_timeout`` (1.0 s), ``retry_interval`` (1.0 s),
@@ -21,6 +28,10 @@ Tuning (``options`` or the JSON file): ``rpc_timeout_ms`` (5000), ``rpc_connect_
 ``segment_prefault`` ("populate": fault the mounted segment in at setup, ~0.35 s per GiB;
 "hugepage": the same on transparent huge pages, 2-3 s per GiB for compaction; "off": leave it
 to the first writes, each page's first write a page fault; see ``prefault.py``),
+``placement`` ("local": every object written prefers the writer's own segment, so a block's
+objects, all its ranks' and kinds', sit on the host that wrote them and a host cut off past the
+master's ``client_ttl`` takes whole blocks with it, not a piece of nearly every block; "random":
+Mooncake's default, a segment picked at random per object; docs/deployment.md has the figures),
 ``io_thread_nice`` (19: the nice value of a storage mover's I/O threads, which call Mooncake;
 its batch calls busy-poll for completion, so the caller spins on a core for the whole transfer;
 0 leaves them at the process's priority).  A missing
@@ -29,10 +40,12 @@ or malformed value, an unknown protocol, an unreadable or invalid JSON file rais
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
 import re
+import socket
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -81,6 +94,7 @@ _TUNING: dict[str, tuple[float, str]] = {
 # tuning key -> (default, allowed values)
 _CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
     "segment_prefault": ("populate", ("populate", "hugepage", "off")),
+    "placement": ("local", ("local", "random")),
 }
 
 
@@ -208,6 +222,11 @@ def load_mooncake_config(options: Mapping[str, Any] | None = None,
         data = _read_json(path)
         values = {**_canonical(data, where), **overrides}
         tuning_raw = {**data, **{k: v for k, v in options.items() if k in _TUNING or k in _CHOICES}}
+        if "local_hostname" not in values:       # one file for every host, each host's own address
+            own = _pick(environ, _ENV["local_hostname"], "local_hostname", "the environment")
+            if own is not None:
+                values["local_hostname"] = own
+                where += " and the environment"
     else:
         where = "the environment"
         env = {canonical: _pick(environ, names, canonical, where) for canonical, names in _ENV.items()}
@@ -249,6 +268,50 @@ def load_mooncake_config(options: Mapping[str, Any] | None = None,
         source=where,
     )
     return config, _tuning(tuning_raw, where)
+
+
+def _host_kind(host: str) -> str:
+    """"loopback", "remote" (any other address, or a name resolving to one), or "unknown" (a name
+    that does not resolve: the master probe reports that)."""
+    name = host.strip().strip("[]")
+    try:
+        addr = ipaddress.ip_address(name)
+    except ValueError:
+        if name.lower() == "localhost":
+            return "loopback"
+        try:
+            addr = ipaddress.ip_address(socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0])
+        except (OSError, ValueError, IndexError):
+            return "unknown"
+    return "loopback" if addr.is_loopback else "remote"
+
+
+def _master_hosts(addr: str) -> list[str]:
+    """The hosts of a master address: ``host:port``, or the endpoints of an HA URL (``etcd://a:1;b:2``)."""
+    rest = addr.split("://", 1)[1] if "://" in addr else addr
+    hosts = []
+    for part in re.split(r"[;,]", rest.split("/", 1)[0]):
+        host, sep, port = part.strip().rpartition(":")
+        if sep and host and port.isdigit():
+            hosts.append(host)
+    return hosts
+
+
+def check_pool_addresses(config: MooncakeConfig) -> None:
+    """Refuses (``StorageConfigError``) a client whose ``local_hostname`` is a loopback address while
+    its master is not on loopback: in a pool across hosts such a client mounts a segment named
+    after 127.0.0.1, its writes land there and succeed, and every other host that reads them
+    connects to its own loopback and fails (1-2 blocks of 6 read back on the two-host bed)."""
+    if _host_kind(config.local_hostname) != "loopback":
+        return
+    remote = [h for h in _master_hosts(config.master_server_addr) if _host_kind(h) == "remote"]
+    if remote:
+        raise StorageConfigError(
+            f"Mooncake local_hostname {config.local_hostname!r} is a loopback address but the master "
+            f"{config.master_server_addr} is not on loopback (config from {config.source}; 127.0.0.1 is the "
+            "default when local_hostname is not set): other hosts could not read this client's segment. "
+            "Set local_hostname (MOONCAKE_LOCAL_HOSTNAME, or the local_hostname storage option) to this "
+            "host's address that the other hosts reach, or run the master on 127.0.0.1 for one host")
 
 
 def _valid_master(addr: str) -> bool:

@@ -7,9 +7,12 @@ places objects in any mounted segment, and those in this one are gone when this 
 
 Binds: the client listens on two ports (the P2P handshake, and the TCP transport's data port,
 which serves reads and writes of this process's registered memory).  Mooncake 0.3.13 binds both
-to every interface whatever ``local_hostname`` says; when ``local_hostname`` is a loopback
-address (the default, 127.0.0.1) the client's listeners are kept on loopback (``loopback.py``
-says how).  Any other ``local_hostname`` is a multi-host setup: Mooncake binds as it always does.
+to every interface whatever ``local_hostname`` says; the client's listeners are kept on the
+address ``local_hostname`` names (``loopback.py`` says how): loopback (the default, 127.0.0.1),
+or, in a multi-host pool, this host's routable address.  A ``local_hostname`` that is not an
+address of this host (a NAT address) leaves Mooncake's wildcard binds, with a warning.  A
+loopback ``local_hostname`` with a master not on loopback is refused before anything connects
+(``config.check_pool_addresses``).
 The ``MC_*`` variables below are set only while ``setup`` runs, so child processes (CTMs
 started by this process) do not inherit one store's values.
 
@@ -67,8 +70,8 @@ import time
 from typing import Any, Callable, Iterator, Mapping
 
 from transfer_factory.kvcache_storage import StorageConfigError
-from transfer_factory.mooncake.config import MooncakeConfig
-from transfer_factory.mooncake.loopback import loopback_address, loopback_binds
+from transfer_factory.mooncake.config import MooncakeConfig, check_pool_addresses
+from transfer_factory.mooncake.loopback import bind_address, loopback_binds
 from transfer_factory.mooncake.prefault import anonymous_ranges, new_anonymous_ranges, prefault
 from transfer_factory.mooncake.probe import master_alive, master_answers
 
@@ -123,6 +126,7 @@ class MooncakeConnection:
 
     def __init__(self, config: MooncakeConfig, tuning: Mapping[str, Any], *, rank: int, factory: Callable[[], Any],
                  on_client_change: Callable[[int | None], None]) -> None:
+        check_pool_addresses(config)
         self.config = config
         self.rank = rank
         self.rpc_timeout_ms = int(tuning["rpc_timeout_ms"])
@@ -212,9 +216,12 @@ class MooncakeConnection:
                                           f"created: {type(e).__name__}: {e}") from None
         maps_before = anonymous_ranges() if self.segment_prefault != "off" and cfg.global_segment_size else []
         try:
-            # Every listener of the client is created inside setup; for a loopback local_hostname
-            # they are kept on loopback (Mooncake itself binds them to all interfaces).
-            host = loopback_address(cfg.local_hostname)
+            # Every listener of the client is created inside setup; they are kept on the address
+            # local_hostname names (Mooncake itself binds them to all interfaces).
+            host = bind_address(cfg.local_hostname)
+            if host is None:
+                log.warning("mooncake store rank %d: local_hostname %s is not an address of this host: the "
+                            "client's ports listen on every interface", self.rank, cfg.local_hostname)
             env = {key: getattr(self, key) for key in _CLIENT_ENV.values()}
             with _client_env(env), loopback_binds(host) if host else contextlib.nullcontext():
                 rc = store.setup(cfg.local_hostname, cfg.metadata_server, cfg.global_segment_size,

@@ -1,4 +1,5 @@
-"""Keep the Mooncake client's listening sockets on loopback when it is configured for one host.
+"""Keep the Mooncake client's listening sockets on the address it is configured with: loopback when
+it is configured for one host, its ``local_hostname`` when that is an address of this host.
 
 Why this exists: Mooncake 0.3.13's transfer engine binds its listeners to the wildcard address
 whatever ``local_hostname`` says.  The P2P handshake socket is bound to ``INADDR_ANY``
@@ -22,6 +23,15 @@ If the table cannot be patched (not Linux ELF64, an unknown architecture, a libr
 ``bind`` import), ``loopback_binds`` logs a warning and Mooncake binds as it always does; the test
 ``tests/transfer_factory/mooncake/test_mooncake_faults.py::test_everything_listens_on_loopback_only``
 reads ``/proc/net/tcp*`` and fails in that case.
+
+A routable ``local_hostname`` (a multi-host pool): ``bind_address(host)`` is that address when it
+is one of this host's (a test bind to it succeeds), and the same hook then turns the wildcard binds
+into binds to it, so the client's handshake and data ports face only the network its peers reach
+it on, not every interface (``test_mooncake_two_hosts.py`` reads the listeners on the two-host bed).
+When the address is not this host's (a NAT or floating address advertised to peers), or a name that
+does not resolve, nothing is rewritten and Mooncake binds every interface, with a warning.  What the
+hook cannot change: the master's embedded HTTP metadata server (``--http-metadata``) binds 0.0.0.0,
+and Mooncake picks its ports itself (no range to firewall by port: allow the peers' addresses).
 """
 from __future__ import annotations
 
@@ -74,6 +84,31 @@ def loopback_address(host: str) -> str | None:
         except (OSError, ValueError, IndexError):
             return None
     return str(addr) if addr.is_loopback else None
+
+
+def bind_address(host: str) -> str | None:
+    """The address a client with this ``local_hostname`` should listen on: its loopback address
+    (``loopback_address``), else the address it names when that is one of this host's; None when
+    it names none of them (then Mooncake binds as it always does: every interface)."""
+    lo = loopback_address(host)
+    if lo is not None:
+        return lo
+    name = host.strip().strip("[]")
+    try:
+        addr = ipaddress.ip_address(name)
+    except ValueError:
+        try:
+            addr = ipaddress.ip_address(socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)[0][4][0])
+        except (OSError, ValueError, IndexError):
+            return None
+    if addr.is_unspecified or addr.is_multicast:
+        return None
+    try:
+        with socket.socket(socket.AF_INET6 if addr.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((str(addr), 0))
+    except OSError:
+        return None         # not an address of this host
+    return str(addr)
 
 
 def _libc() -> ctypes.CDLL:
@@ -206,6 +241,8 @@ def _loopback_sockaddr(addr: int, length: int) -> bytes | None:
     family = struct.unpack_from("=H", raw)[0]
     target = ipaddress.ip_address(host)
     if family == socket.AF_INET and length >= 16 and raw[4:8] == b"\0\0\0\0":
+        if target.version != 4 and not target.is_loopback:
+            raise ValueError(f"an IPv4 wildcard bind cannot go to {target}")   # refused, never widened
         v4 = target if target.version == 4 else ipaddress.ip_address("127.0.0.1")
         return raw[:4] + v4.packed + raw[8:]
     if family == socket.AF_INET6 and length >= 28 and raw[8:24] == b"\0" * 16:
@@ -220,8 +257,8 @@ _hook: tuple[object, int] | None = None     # kept for the life of the process: 
 @contextlib.contextmanager
 def loopback_binds(host: str) -> Iterator[bool]:
     """While active, wildcard binds in Mooncake's libraries go to ``host`` (an IP, from
-    ``loopback_address``).  Yields whether the guard is in place.  Nested or concurrent uses
-    share one patch, removed when the last one ends."""
+    ``loopback_address`` or ``bind_address``).  Yields whether the guard is in place.  Nested or
+    concurrent uses share one patch, removed when the last one ends."""
     addr = str(ipaddress.ip_address(host.strip("[]")))
     with _guard.lock:
         if _guard.depth:

@@ -8,7 +8,15 @@ used as given; the caller builds namespaced keys (``transfer_factory.keys``).
 Configuration: see ``config.py`` (``options``, else the JSON file at ``MOONCAKE_CONFIG_PATH``,
 else ``MOONCAKE_*`` variables; tuning keys ``rpc_timeout_ms``, ``rpc_connect_timeout_ms``,
 ``setup_retries``, ``probe_timeout``, ``retry_interval``, ``reconnect_after``,
-``close_timeout``, ``segment_prefault``, ``replica_num``, ``io_thread_nice``).
+``close_timeout``, ``segment_prefault``, ``replica_num``, ``placement``, ``io_thread_nice``).
+
+Placement (a store-wide decision, ``placement`` "local" by default): every put names this client's
+own segment as the preferred one, so all of a block's objects (each rank writes its own, and an
+instance's ranks share a host) sit on the writer's host.  A host cut off from the master past its
+``client_ttl`` loses its segments; with Mooncake's random placement that took a piece of nearly
+every block (0-3 of 24 blocks readable on the two-host bed, 8-11 with ``replica_num`` 2, whose
+copies may share a host), with "local" none of another host's (24 of 24).  A full own segment
+spills to others (the master's fallback).  ``test_mooncake_two_hosts.py`` measures it.
 
 This module maps the KVCacheStorage calls and result codes onto the client; the parts that
 keep it bounded when the master fails are components of their own: ``connection.py`` (the
@@ -86,6 +94,7 @@ class MooncakeStore(KVCacheStorage):
         # I/O threads at this nice value, so the spinning yields to the threads moving the bytes.
         self.io_nice = int(tuning["io_thread_nice"])
         self.replica_num = int(tuning["replica_num"])  # memory replicas of each put object
+        self.placement = str(tuning["placement"])       # "local": objects prefer this client's own segment
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -244,7 +253,7 @@ class MooncakeStore(KVCacheStorage):
             return []
         valid = [self._valid_key(k) and p > 0 and s > 0 for k, p, s in zip(keys, ptrs, sizes)]
         out = self._subset(keys, valid, lambda idx: self._run(
-            "set", idx, lambda s: self._put(s.batch_put_from, [keys[i] for i in idx], [ptrs[i] for i in idx],
+            "set", idx, lambda s: self._put(s, s.batch_put_from, [keys[i] for i in idx], [ptrs[i] for i in idx],
                                                    [sizes[i] for i in idx]), self._write_code))
         self._remember(keys, out)
         return out
@@ -274,21 +283,37 @@ class MooncakeStore(KVCacheStorage):
         if not keys:
             return []
         out = self._subset(keys, valid, lambda idx: self._run(
-            "set_multi", idx, lambda s: self._put(s.batch_put_from_multi_buffers,
+            "set_multi", idx, lambda s: self._put(s, s.batch_put_from_multi_buffers,
                 [keys[i] for i in idx], [ptrs[i] for i in idx], [sizes[i] for i in idx]), self._write_code))
         self._remember(keys, out)
         return out
 
-    def _put(self, put: Callable[..., Sequence[int]], *args: Any) -> Sequence[int]:
-        """``put(*args)`` with ``replica_num`` memory replicas (Mooncake's ``ReplicateConfig``: each on
-        another segment, best effort); with 1, Mooncake's default, no config is passed."""
-        if self.replica_num == 1:
+    def _put(self, client: Any, put: Callable[..., Sequence[int]], *args: Any) -> Sequence[int]:
+        """``put(*args)`` with Mooncake's ``ReplicateConfig``: ``replica_num`` memory replicas (each on
+        another segment, best effort) and, with placement "local", this client's own segment as the
+        preferred one (the master falls back to others when it is full).  With neither, no config is
+        passed (Mooncake's default: one replica in a segment picked at random)."""
+        segment = self._own_segment(client) if self.placement == "local" else ""
+        if self.replica_num == 1 and not segment:
             return put(*args)
         from mooncake.store import ReplicateConfig
 
         config = ReplicateConfig()
         config.replica_num = self.replica_num
+        if segment:
+            config.preferred_segment = segment
         return put(*args, config)
+
+    def _own_segment(self, client: Any) -> str:
+        """The name of the segment this client mounted (its ``local_hostname:port``), "" when it
+        mounts none."""
+        if not self.config.global_segment_size:
+            return ""
+        try:
+            return str(client.get_hostname())
+        except Exception as e:      # an older wheel: random placement
+            log.debug("mooncake store rank %d: no segment name (%s)", self.rank, e)
+            return ""
 
     def _remember(self, keys: list[str], results: list[int]) -> None:
         """Keys ``clear`` cannot find by this rank's namespace pattern are kept to remove one by one."""
