@@ -276,7 +276,9 @@ class Outcome:
     the rank answers now (``released=False``) and reports the release once it is done.
     ``still_storing``: a staged storage write that touches none of the task's blocks (it reads
     its own snapshot) but may still store objects; the answer releases the blocks at once, and
-    the rank counts the task in flight (a drain or an RL clear waits) until the call returns."""
+    the rank counts the task in flight (a drain or an RL clear waits) until the call returns.
+    ``error``: the task failed, and says why, while ``still_running`` holds its blocks (a transfer
+    cut mid-way: it fails in time, its blocks are released once no byte can land)."""
 
     value: Any = None
     bytes_moved: int = 0
@@ -284,3 +286,4 @@ class Outcome:
     storage_calls: int = 0
     storage_failures: int = 0
     still_storing: Any = None  # concurrent.futures.Future | None
+    error: str | None = None  # the task failed (why), though ``still_running`` may still touch its blocks

@@ -229,7 +229,10 @@ class TaskScheduler:
             if not isinstance(out, Outcome):
                 out = Outcome(value=out)
             late, storing = out.still_running, out.still_storing
-            result = RankResult(entry.task_id, self._rank, True, value=out.value, recv_seq=entry.seq,
+            if out.error is not None:
+                self._log.error("task %s failed: %s", entry.task_id, out.error)
+            result = RankResult(entry.task_id, self._rank, out.error is None, error=out.error,
+                                value=out.value if out.error is None else None, recv_seq=entry.seq,
                                 bytes_moved=int(out.bytes_moved), released=late is None,
                                 storage_calls=out.storage_calls, storage_failures=out.storage_failures)
         except Exception as exc:  # the task fails; the CTM keeps serving

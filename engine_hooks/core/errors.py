@@ -25,10 +25,13 @@ class TaskFailedError(CacheServiceError):
 
 
 class TaskTimeoutError(CacheServiceError, TimeoutError):
-    def __init__(self, task_id: str, missing: list[int], timeout: float):
+    def __init__(self, task_id: str, missing: list[int], timeout: float, peer: str | None = None):
         self.task_id = task_id
         self.missing_ranks = sorted(missing)
-        super().__init__(f"task {task_id} timed out after {timeout:g}s; no answer from ranks {self.missing_ranks}")
+        self.peer = peer  # the other engine instance of a P/D transfer, which may be what hangs
+        with_peer = f" (a transfer with instance {peer!r})" if peer else ""
+        super().__init__(f"task {task_id}{with_peer} timed out after {timeout:g}s; no answer from ranks "
+                         f"{self.missing_ranks}")
 
 
 class RankDiedError(CacheServiceError):

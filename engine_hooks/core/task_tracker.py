@@ -246,7 +246,8 @@ class TaskTracker:
         for tid, p in expired:
             missing = sorted(set(range(self.tp)) - set(p.results))
             p.future.set_rank_results(p.results)
-            p.future.set_exception(TaskTimeoutError(tid, missing, p.timeout))
+            peer = p.task.get("peer")
+            p.future.set_exception(TaskTimeoutError(tid, missing, p.timeout, peer if isinstance(peer, str) else None))
             self._notify(p.task, "timed_out", time.perf_counter() - p.submitted, p.results)
 
     # ------------------------------------------------------------------ ranks

@@ -42,6 +42,13 @@ class PeerLink:
     state: Any = None
 
     @property
+    def where(self) -> str:
+        """The peer ranks' addresses over this link's transport (``this host`` for ``ipc``)."""
+        found = {str(r.peer.descriptor.transports.get(self.transport, {}).get("address", ""))
+                 for r in self.pull_routes + self.push_routes} - {""}
+        return ", ".join(sorted(found)) or "this host"
+
+    @property
     def name(self) -> str:
         return f"{self.descriptor.instance_id} rank {self.descriptor.rank}"
 
@@ -84,6 +91,13 @@ class InstanceLink:
     def board(self) -> PeerLink:
         """Any rank of the peer maps its engine's boards; the first route's is used."""
         return (self.pull_routes or self.push_routes)[0].peer
+
+    @property
+    def where(self) -> str:
+        """The peer ranks' addresses over this link's transport (``this host`` for ``ipc``)."""
+        found = {str(r.peer.descriptor.transports.get(self.transport, {}).get("address", ""))
+                 for r in self.pull_routes + self.push_routes} - {""}
+        return ", ".join(sorted(found)) or "this host"
 
     @property
     def name(self) -> str:

@@ -69,10 +69,10 @@ class PeerTransfers:
         sides = [(g.kind, self._local_side(g, task.placement)) for g in self._resources.groups]
         moved, inflight = link.channel.move(link, link.pull_routes, sides, True, task.dst_block_ids,
                                             task.src_block_ids, layers, task.placement, deadline)
-        if inflight is not None:  # bytes may still land in the destination: release it later
-            self._log.error("pull %s from %s: still running at its deadline; its blocks stay held until it ends",
-                            task.task_id, link.name)
-            return Outcome(value=[], still_running=self._late.watch(inflight))
+        if inflight is not None:  # bytes may still land in the destination: fail now, release later
+            return Outcome(value=[], still_running=self._late.watch(inflight), error=(
+                f"PeerError: {link.name} at {link.where}: the pull was still running at its deadline (the peer "
+                "stopped, or the network between us is down); its blocks stay held until no byte can land"))
         if not self._still_exposed(link, handle, deadline, "during the pull"):
             raise PeerError(f"{link.name}: request {handle.req_id!r} was retracted or its engine is gone "
                             "during the pull; no block counts")
@@ -111,10 +111,10 @@ class PeerTransfers:
                                                       task.dst_block_ids, step, "device", deadline)
                 moved += written
                 if inflight is not None:  # may still land: FAILED only once it ended
-                    self._log.error("push %s to %s: layers [%d, %d) still being written at its deadline",
-                                    task.task_id, link.name, step.start, step.stop)
                     return Outcome(value=[], bytes_moved=moved, still_running=self._late.watch(
-                        inflight, lambda: self._fail_push_late(link, task)))
+                        inflight, lambda: self._fail_push_late(link, task)), error=(
+                        f"PeerError: {link.name} at {link.where}: layers [{step.start}, {step.stop}) were still "
+                        "being written at the push's deadline (the peer stopped, or the network is down)"))
                 self._check_generation(link, None, f"while layers [{step.start}, {step.stop}) were pushed",
                                        deadline)
                 self._publish(link, task, step.stop, deadline)
