@@ -152,8 +152,11 @@ def usable_transports(local: PeerDescriptor, peer: PeerDescriptor, forced: str |
             raise ValueError(f"transport {forced!r} is not offered by both sides here (usable: {both or 'none'})")
         return [forced]
     if not both:
+        other_host = local.boot_id != peer.boot_id or not local.boot_id
+        hint = (" (a peer on another host needs the Transfer Engine: both describe with offer ['ipc', 'mooncake'], "
+                "engine_hooks.pd.offer_for('mooncake'))" if other_host else "")
         raise ValueError(f"no transport in common: here {sorted(local.transports)}, peer {sorted(peer.transports)}"
-                         + (" (ipc needs both on one host)" if "ipc" in local.transports else ""))
+                         + hint)
     return both
 
 
