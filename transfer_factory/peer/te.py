@@ -17,6 +17,7 @@ README says it belongs behind a firewall or on a private fabric (DESIGN §3.11).
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
+
+from transfer_factory.mooncake.loopback import bind_address, loopback_binds
 
 POLL_FIRST_S = 0.0002
 POLL_MAX_S = 0.005  # a transfer's completion is seen at most this late; no busy loop
@@ -116,7 +119,9 @@ def socket_text(address: str, port: int) -> str:
 def _proc_address(hex_address: str) -> str:
     """/proc/net/tcp's address (host-order 32-bit words in hex) as text."""
     raw = b"".join(int(hex_address[i:i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(hex_address), 8))
-    return str(ipaddress.ip_address(raw))
+    address = ipaddress.ip_address(raw)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return f"::ffff:{mapped}" if mapped is not None else str(address)
 
 
 def coalesce(local: Sequence[int], remote: Sequence[int], length: int) -> tuple[list[int], list[int], list[int]]:
@@ -197,7 +202,11 @@ class TransferEngineEndpoint:
 
                 before = listening_sockets()
                 engine = TransferEngine()
-                rc = engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, "")
+                # Mooncake binds its handshake and data ports to every interface whatever hostname it
+                # is given: bind them to the hostname where it is an address of this host
+                host = bind_address(self.hostname)
+                with loopback_binds(host) if host else contextlib.nullcontext():
+                    rc = engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, "")
                 if rc != 0:
                     raise PeerTransferError(f"the Mooncake Transfer Engine did not start on {self.hostname} "
                                             f"({self.protocol}): return code {rc}")

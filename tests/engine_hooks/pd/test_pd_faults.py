@@ -42,6 +42,10 @@ def test_a_pull_from_a_killed_prefill_instance_fails_naming_it_and_decode_serves
             line = next(l for l in open(proc.log_path) if "Transfer Engine open: peers reach it at" in l)
             for address, port in listening_sockets(proc.pid):
                 assert socket_text(address, port) in line, (rank, line)
+        # the ranks' Transfer Engines (pod_ip 127.0.0.1) listen on loopback only, not every interface
+        wide = {pid: s for pid in svc.pids().values() for s in listening_sockets(pid)
+                if not s[0].replace("::ffff:", "").startswith("127.")}
+        assert wide == {}, wide
     handle = prefill.call("expose", req_id="r1")
     assert d.pull_blocks("prefill-0", handle, [1, 2], [3, 4]).result(timeout=20) == [3, 4]
     before = local_digests(svc, [5, 6])
