@@ -15,6 +15,11 @@ JSON commands on stdin, one per line (``call(op, **args)``):
   ``"seconds"`` from the submission to its end (the child's clock); ``released`` (name, wait) whether
   no byte of it can land any more; ``receive_push`` (peer, dst, timeout) -> its ticket,
   ``push_state`` (peer), ``target_result`` (peer, timeout)
+- push timing: ``push`` answers ``{"submitted": t}`` and ``target_result`` ``{"value"|"error", "at": t}``
+  (a thread waits for every target from ``receive_push`` on; the child's CLOCK_MONOTONIC);
+  ``target_close`` (peer)
+- the raw Transfer Engine floor (scripts/bench_pd_hosts.py): ``raw_open``, then ``raw_read`` (ranks:
+  the peer's ``mooncake`` params per rank, src, dst, max_slices) -> ``{"seconds", "runs", "bytes"}``
 - engine: ``digest`` (ids: SHA-256 per rank/kind/layer), ``swap`` (gpu, cpu, back: swap out and in,
   then whether the bytes came back), ``pids`` (the ranks' CTM processes now), ``shm`` (this host's
   /dev/shm names), ``quit``.
@@ -174,6 +179,9 @@ def _child(config: dict) -> None:
     pulls: dict[str, tuple] = {}  # name -> (future, submitted at)
     pushes: dict[str, tuple] = {}  # peer -> (future, submitted at)
     targets: dict = {}
+    landed: dict = {}  # peer -> what the push into its target came to, and when
+    waiters: dict = {}  # peer -> the thread waiting for it
+    raw = None  # this process's own Transfer Engine (``raw_open``), for the benchmark's floor
 
     def answer(value) -> None:
         print(json.dumps(value), flush=True)
@@ -182,13 +190,26 @@ def _child(config: dict) -> None:
         return {f"{r}/{k}/{l}": hashlib.sha256(v[list(ids)].tobytes()).hexdigest()
                 for (r, k, l), v in views(svc).items()}
 
+    def started(future, t0: float) -> tuple:
+        """(future, submitted at, [ended at]): the end is stamped when the future resolves."""
+        entry = (future, t0, [])
+        future.add_done_callback(lambda _: entry[2].append(time.monotonic()))
+        return entry
+
     def outcome(entry, wait: float) -> dict:
-        future, t0 = entry
+        future, t0, ended = entry
         try:
-            value = future.result(timeout=wait)
-            return {"value": value, "seconds": time.monotonic() - t0}
+            out = {"value": future.result(timeout=wait)}
         except Exception as exc:  # noqa: BLE001 - reported to the test
-            return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - t0}
+            out = {"error": type(exc).__name__, "message": str(exc)}
+        return {**out, "seconds": (ended[0] if ended else time.monotonic()) - t0}
+
+    def await_target(peer: str, target, timeout: float) -> None:
+        """Waits for a push into ``target`` (off the command loop), stamping when it landed."""
+        try:
+            landed[peer] = {"value": target.result(timeout=timeout), "at": time.monotonic()}
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            landed[peer] = {"error": type(exc).__name__, "message": str(exc), "at": time.monotonic()}
 
     def released(future, wait: float) -> bool:
         try:
@@ -215,32 +236,43 @@ def _child(config: dict) -> None:
             elif op == "retract":
                 answer(side.retract(TransferHandle.from_wire(cmd["handle"])))
             elif op == "pull":
-                layers = cmd.get("layers")
+                layers, t0 = cmd.get("layers"), time.monotonic()
                 future = side.pull_blocks(cmd["peer"], cmd["handle"], cmd["src"], cmd["dst"],
                                           placement=cmd.get("placement", "device"),
                                           layers=tuple(layers) if layers else None, timeout=cmd.get("timeout"))
-                pulls[cmd["name"]] = (future, time.monotonic())
+                pulls[cmd["name"]] = started(future, t0)
                 answer("submitted")
             elif op == "outcome":
                 answer(outcome(pulls[cmd["name"]], cmd.get("wait", 30.0)))
             elif op == "released":
                 answer(released(pulls[cmd["name"]][0], cmd.get("wait", 0.0)))
             elif op == "receive_push":
-                targets[cmd["peer"]] = side.receive_push(cmd["peer"], cmd["dst"], timeout=cmd.get("timeout", 30))
-                answer(targets[cmd["peer"]].ticket)
+                peer = cmd["peer"]
+                targets[peer] = side.receive_push(peer, cmd["dst"], timeout=cmd.get("timeout", 30))
+                landed.pop(peer, None)
+                waiters[peer] = threading.Thread(target=await_target, args=(peer, targets[peer],
+                                                                           cmd.get("timeout", 30) + 5), daemon=True)
+                waiters[peer].start()
+                answer(targets[peer].ticket)
             elif op == "push_state":
                 target = targets[cmd["peer"]]
                 answer({"released": target.released, "words": target._words()})
             elif op == "target_result":
-                try:
-                    answer({"value": targets[cmd["peer"]].result(timeout=cmd.get("timeout", 30))})
-                except Exception as exc:  # noqa: BLE001 - reported to the test
-                    answer({"error": type(exc).__name__, "message": str(exc)})
+                waiters[cmd["peer"]].join(cmd.get("timeout", 30))
+                answer(landed.get(cmd["peer"], {"error": "TimeoutError", "message": "the push has not landed"}))
+            elif op == "target_close":
+                answer(targets.pop(cmd["peer"]).close())
+            elif op == "raw_open":
+                raw = RawReader(svc, config["pod_ip"])
+                answer("ok")
+            elif op == "raw_read":
+                answer(raw.read(cmd["ranks"], cmd["src"], cmd["dst"], cmd.get("max_slices", 1024)))
             elif op == "push":
+                t0 = time.monotonic()
                 future = side.push_blocks(cmd["peer"], cmd["ticket"], cmd["src"],
                                           layerwise=cmd.get("layerwise", True), timeout=cmd.get("timeout", 30))
-                pushes[cmd["peer"]] = (future, time.monotonic())
-                answer("submitted")
+                pushes[cmd["peer"]] = started(future, t0)
+                answer({"submitted": pushes[cmd["peer"]][1]})
             elif op == "computed":
                 pushes[cmd["peer"]][0].layer_computed(cmd["layers"])
                 answer("ok")
@@ -268,8 +300,90 @@ def _child(config: dict) -> None:
                 answer({"error": f"ValueError: unknown op {op!r}"})
         except Exception as exc:  # noqa: BLE001 - reported to the test
             answer({"error": f"{type(exc).__name__}: {exc}"})
+    if raw is not None:
+        raw.close()
     side.close()
     svc.shutdown()
+
+
+class RawReader:
+    """This engine process's own Transfer Engine at ``pod_ip``, with its caches registered: the
+    raw ``batch_transfer_sync_read`` floor of a pull (scripts/bench_pd_hosts.py), over the very runs
+    a rank builds (the same ``coalesce`` of the same ids between the same memory)."""
+
+    def __init__(self, svc, pod_ip: str):
+        import logging
+
+        from tests.service_helpers import views
+        from transfer_factory.peer.te import TransferEngineEndpoint
+
+        self.views = views(svc)  # (rank, kind, layer) -> [num_blocks, block_bytes]
+        self.tp, self.layers = svc.tp, svc.spec.num_layers
+        self.ep = TransferEngineEndpoint(pod_ip, "tcp", logging.getLogger("raw-te"))
+        self.ep.open()
+        for v in self.views.values():
+            self.ep.register(int(v.ctypes.data), int(v.nbytes))
+
+    def runs(self, rank: int, peer: dict, src: list[int], dst: list[int]) -> tuple[list, list, list]:
+        import numpy as np
+
+        from transfer_factory.peer.te import block_addresses, coalesce
+
+        out: tuple[list, list, list] = ([], [], [])
+        kinds = sorted({k for r, k, _ in self.views if r == rank})
+        for kind in kinds:
+            local = np.asarray([self.views[(rank, kind, l)].ctypes.data for l in range(self.layers)], dtype=np.int64)
+            remote = np.zeros(self.layers, dtype=np.int64)
+            for k, layer, ptr, _ in peer["regions"]:
+                if k == kind:
+                    remote[layer] = int(ptr)
+            stride = self.views[(rank, kind, 0)].shape[1]
+            runs = coalesce(block_addresses(local, stride, dst, range(self.layers)),
+                            block_addresses(remote, stride, src, range(self.layers)), stride)
+            for acc, part in zip(out, runs):
+                acc += part
+        return out
+
+    def read(self, ranks: list[dict], src: list[int], dst: list[int], max_slices: int) -> dict:
+        """Every rank's runs from the peer rank of its index, ranks in parallel, each cut into
+        batches of at most ``max_slices`` 64 KiB slices (what the TCP transport accepts at once)."""
+        import threading
+
+        engine, errors = self.ep._engine, []
+        plans = []
+        for rank in range(self.tp):
+            batches, cur, slices = [], ([], [], []), 0
+            for lo, ro, n in zip(*self.runs(rank, ranks[rank], src, dst)):
+                k = -(-n // (64 << 10))
+                if cur[2] and slices + k > max_slices:
+                    batches.append(cur)
+                    cur, slices = ([], [], []), 0
+                for acc, v in zip(cur, (lo, ro, n)):
+                    acc.append(v)
+                slices += k
+            batches.append(cur)
+            plans.append((ranks[rank]["address"], batches))
+
+        def one(address: str, batches: list) -> None:
+            for batch in batches:
+                rc = engine.batch_transfer_sync_read(address, *batch)
+                if rc != 0:
+                    errors.append(f"batch_transfer_sync_read of {len(batch[2])} runs from {address}: {rc}")
+
+        threads = [threading.Thread(target=one, args=plan) for plan in plans]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = time.perf_counter() - t0
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        return {"seconds": seconds, "runs": sum(len(b[2]) for _, batches in plans for b in batches),
+                "bytes": sum(sum(b[2]) for _, batches in plans for b in batches)}
+
+    def close(self) -> None:
+        self.ep.close()
 
 
 if __name__ == "__main__":

@@ -114,10 +114,10 @@ def test_a_pull_and_a_layerwise_push_across_the_veth_are_bit_exact(two_hosts, tm
 
         # a layer-wise push: decode reserves, prefill writes each layer once it is "computed"
         ticket = d.call("receive_push", peer=PREFILL, dst=[24, 25, 26], timeout=30)
-        assert p.call("push", peer=DECODE, ticket=ticket, src=[4, 7, 8], layerwise=True, timeout=20) == "submitted"
+        assert "submitted" in p.call("push", peer=DECODE, ticket=ticket, src=[4, 7, 8], layerwise=True, timeout=20)
         for layer in range(1, SPEC["num_layers"] + 1):
             assert p.call("computed", peer=DECODE, layers=layer) == "ok"
-        assert d.call("target_result", peer=PREFILL, timeout=20) == {"value": [24, 25, 26]}
+        assert d.call("target_result", peer=PREFILL, timeout=20).get("value") == [24, 25, 26]
         assert p.call("push_outcome", peer=DECODE, wait=20).get("value") == [24, 25, 26]
         assert d.call("digest", ids=[24, 25, 26]) == p.call("digest", ids=[4, 7, 8])
         assert p.call("push_released", peer=DECODE, wait=10) is True
