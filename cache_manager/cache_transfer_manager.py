@@ -58,7 +58,7 @@ from cache_manager.cache_tasks import (ControlTask, PullTask, PushTask, Outcome,
                           task_from_wire)
 from cache_manager.ctm_flags import NPU_COPY_ENGINE_DEFAULT, parse_args, spec_from_args
 from cache_manager.engine_watch import EngineGone, EngineWatch, remove_engine_leftovers
-from cache_manager.rank.scheduler import TaskScheduler
+from cache_manager.rank.scheduler import Fail, TaskScheduler
 from cache_manager.rank.lifecycle import KvCacheLifecycle
 from cache_manager.rank.control import RankControl
 from cache_manager.rank.logs import rank_logger
@@ -76,6 +76,11 @@ from cache_manager.rank.swap_plans import SwapPlans
 # the serve thread runs it (on platforms whose copies cannot stall).  Bigger swaps stay on pools,
 # so the serve thread never stops polling for long.
 INLINE_SWAP_MAX_BYTES = 256 << 10
+# P/D transfers run on this many threads per direction: Mooncake's first contact with a peer that
+# never answers holds its thread (62 s for a stopped peer), and must not hold up pulls from others.
+# Transfers touching the same blocks still take effect in order (the scheduler), and 4 transfers
+# of MAX_SLICES_IN_FLIGHT fit one peer's queue in the Transfer Engine.
+PD_THREADS = 4
 IDLE_POLL_MS = 250  # an idle rank wakes this often to look at kv_cache_status and the engine
 DRAIN_POLL_MS = 10  # how often a clearing rank looks whether its tasks released their blocks
 # A local link that closed because the engine died is the engine's death, not a break: the engine's
@@ -142,7 +147,8 @@ class CacheTransferManager:
             self.engine_watch.watch_engine(self.queue.engine_pid)
         init = lambda: self.platform.set_device(a.device_id)  # noqa: E731  (device binding is per thread)
         for kind, workers in (("swap_to_cpu", a.swap_threads), ("swap_to_gpu", a.swap_threads),
-                              ("read_storage", 1), ("write_storage", 1), ("control", 1), ("pd_pull", 1), ("pd_push", 1)):
+                              ("read_storage", 1), ("write_storage", 1), ("control", 1), ("pd_pull", PD_THREADS),
+                              ("pd_push", PD_THREADS)):
             self.pools[kind] = ThreadPoolExecutor(workers, thread_name_prefix=kind, initializer=init)
         self.scheduler = TaskScheduler(self.pools, self.rank, self.queue.send_result, self.log)
         self.signals.attach(CACHE_TRANSFER_INITED_SIGNAL, a.mp_num)
@@ -258,10 +264,10 @@ class CacheTransferManager:
         elif isinstance(task, PullTask):
             touched = zip(repeat("cpu" if task.placement == "host" else "gpu"), task.dst_block_ids)
             submit(task.task_id, seq, "pd_pull", touched, deadline, lambda: self.transfers.pull(task, deadline),
-                   drop_value=[])
+                   drop_value=Fail(f"a pull from {task.peer}"))
         elif isinstance(task, PushTask):
             submit(task.task_id, seq, "pd_push", zip(repeat("gpu"), task.src_block_ids), deadline,
-                   lambda: self._push(task, deadline), drop_value=[])
+                   lambda: self._push(task, deadline), drop_value=Fail(f"a push to {task.peer}"))
         else:
             kind = "read_storage" if task.event_type == CacheStatus.STORAGE2GPU else "write_storage"
             touched = zip(repeat("gpu"), task.gpu_block_ids)

@@ -41,7 +41,15 @@ from cache_manager.cache_tasks import Outcome, RankResult
 logger = logging.getLogger(__name__)
 
 Resource = Hashable
-FAIL = object()  # drop_value of tasks whose drop is an error (swaps); storage tasks drop to 0 blocks
+@dataclass(frozen=True)
+class Fail:
+    """A ``drop_value``: a dropped task is an error, naming ``what`` it was (a P/D transfer names its
+    peer).  Swaps fail so (``FAIL``); storage tasks drop to 0 blocks instead."""
+
+    what: str = ""
+
+
+FAIL = Fail()
 _RELEASING = threading.local()  # .queue: the callbacks the outermost release on this thread still runs
 
 
@@ -107,7 +115,7 @@ class _Entry:
     fn: Callable[[], Any]
     resources: frozenset
     deadline: float | None
-    drop_value: Any  # the answer's value when the task is dropped; _FAIL: an error answer
+    drop_value: Any  # the answer's value when the task is dropped; a ``Fail``: an error answer
     done: _Released = field(default_factory=_Released)  # once nothing of the task touches its resources
     state: str = "waiting"  # waiting -> queued -> running; or dropped (answered, never started)
     blockers: int = 0
@@ -281,9 +289,10 @@ class TaskScheduler:
     def _drop(self, entry: _Entry, why: str) -> None:
         self.dropped += 1
         self._log.warning("task %s not started: %s", entry.task_id, why)
-        if entry.drop_value is FAIL:
+        if isinstance(entry.drop_value, Fail):
+            what = f"{entry.drop_value.what} " if entry.drop_value.what else ""
             result = RankResult(entry.task_id, self._rank, False, recv_seq=entry.seq,
-                                error=f"DeadlineExceeded: not started on rank {self._rank}: {why}")
+                                error=f"DeadlineExceeded: {what}not started on rank {self._rank}: {why}")
         else:
             result = RankResult(entry.task_id, self._rank, True, value=entry.drop_value, recv_seq=entry.seq)
         self._answer(entry, result)

@@ -49,7 +49,12 @@ class PeerTransferError(RuntimeError):
 
 
 class WordStillInFlight(PeerTransferError):
-    """A board word's transfer outlived its deadline: its scratch word may still be written."""
+    """A board word's transfer outlived its deadline: its scratch word may still be written until
+    ``inflight`` (its batches) has ended."""
+
+    def __init__(self, message: str, inflight: "Inflight | None" = None):
+        super().__init__(message)
+        self.inflight = inflight
 
 
 # Runs in flight per transfer, counted in the engine's 64 KiB slices: Mooncake 0.3.13's TCP
@@ -148,11 +153,14 @@ def block_addresses(bases: np.ndarray, stride: int, ids: Sequence[int], layers: 
 class ScratchWords:
     """Registered words that board reads and writes land in or leave from, one per word transfer in
     flight: two transfers never share one, so a late word cannot overwrite a newer transfer's.  A
-    word whose transfer outlived its deadline is never handed out again (it may still be written)."""
+    word whose transfer outlived its deadline is handed out again only once that transfer's batches
+    have ended (looked at when words are taken): before, a stopped peer cost two words per timed-out
+    pull for good, and after 32 every pull of the rank failed."""
 
     def __init__(self, count: int = 64):
         self.words = np.zeros(count, dtype=np.int64)
         self._free = list(range(count))
+        self._late: list[tuple[list[int], Inflight]] = []  # words of transfers past their deadline
         self._lock = threading.Lock()
 
     @property
@@ -164,19 +172,34 @@ class ScratchWords:
         """``count`` scratch words (one-word arrays), each for one word of one transfer."""
         with self._lock:
             if len(self._free) < count:
+                self._reclaim()
+            if len(self._free) < count:
                 raise PeerTransferError(f"fewer than {count} of {len(self.words)} board-word scratch words are free: "
                                         "the others are held by transfers that outlived their deadline")
             indices = [self._free.pop() for _ in range(count)]
+        late: Inflight | None = None
         lost = False
         try:
             yield [self.words[i:i + 1] for i in indices]
-        except WordStillInFlight:
-            lost = True
+        except WordStillInFlight as exc:
+            lost, late = True, exc.inflight
             raise
         finally:
-            if not lost:
-                with self._lock:
+            with self._lock:
+                if not lost:
                     self._free.extend(indices)
+                elif late is not None:
+                    self._late.append((indices, late))
+
+    def _reclaim(self) -> None:
+        """Give back the words of late transfers whose batches have ended (never waits)."""
+        still = []
+        for indices, late in self._late:
+            if late.wait(0):
+                self._free.extend(indices)
+            else:
+                still.append((indices, late))
+        self._late = still
 
 
 class TransferEngineEndpoint:
@@ -322,16 +345,18 @@ class TransferEngineEndpoint:
         """8-byte words of the peer's registered memory (its boards), all in one transfer, each into
         its own scratch word."""
         local = [int(word.ctypes.data) for word in scratch]
-        if self.transfer(peer, peer_address, False, local, list(remotes), [8] * len(local), deadline) is not None:
-            raise WordStillInFlight(f"peer {peer} ({peer_address}): no answer for its board words in time")
+        late = self.transfer(peer, peer_address, False, local, list(remotes), [8] * len(local), deadline)
+        if late is not None:
+            raise WordStillInFlight(f"peer {peer} ({peer_address}): no answer for its board words in time", late)
         return [int(word.view(np.int64)[0]) for word in scratch]
 
     def write_word(self, peer: str, peer_address: str, scratch: np.ndarray, remote: int, value: int,
                    deadline: float) -> None:
         """Store one 8-byte word into the peer's registered memory (its layer board)."""
         scratch.view(np.int64)[0] = value
-        if self.transfer(peer, peer_address, True, [int(scratch.ctypes.data)], [remote], [8], deadline) is not None:
-            raise WordStillInFlight(f"peer {peer} ({peer_address}): a layer-board word was not written in time")
+        late = self.transfer(peer, peer_address, True, [int(scratch.ctypes.data)], [remote], [8], deadline)
+        if late is not None:
+            raise WordStillInFlight(f"peer {peer} ({peer_address}): a layer-board word was not written in time", late)
 
     def close(self) -> None:
         with self._lock:

@@ -43,10 +43,8 @@ class PeerLink:
 
     @property
     def where(self) -> str:
-        """The peer ranks' addresses over this link's transport (``this host`` for ``ipc``)."""
-        found = {str(r.peer.descriptor.transports.get(self.transport, {}).get("address", ""))
-                 for r in self.pull_routes + self.push_routes} - {""}
-        return ", ".join(sorted(found)) or "this host"
+        """The peer rank's address over this link's transport (``this host`` for ``ipc``)."""
+        return str(self.descriptor.transports.get(self.transport, {}).get("address", "")) or "this host"
 
     @property
     def name(self) -> str:
@@ -131,6 +129,11 @@ class PeerChannel(ABC):
     def open(self, peer: PeerDescriptor, kinds: dict[str, int], name: str) -> Any:
         """Open a link to ``peer`` (whose blocks of one layer take ``kinds`` bytes per cache kind);
         returns the link's state.  Raises naming ``name`` when the peer's offer does not fit."""
+
+    def first_contact(self, link: PeerLink, deadline: float) -> None:
+        """Reach the peer rank once, at link time (a transport whose first transfer to a peer is
+        expensive or can hang does it here, while the router knows both are alive); raises naming
+        the peer when it cannot be reached or no longer holds the memory its descriptor names."""
 
     def close_link(self, link: PeerLink) -> None:
         """Let go of what ``open`` made (called once no transfer uses the link)."""

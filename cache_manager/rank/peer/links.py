@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -41,6 +42,9 @@ from cache_manager.rank.peer.datadist import DataDistChannel
 from cache_manager.rank.peer.ipc import IpcChannel
 from cache_manager.rank.peer.te import TransferEngineChannel
 from cache_manager.rank.resources import RankResources
+
+
+FIRST_CONTACT_S = 5.0  # how long a link waits for a peer rank it must reach (the Transfer Engine)
 
 
 class PeerLinks:
@@ -161,6 +165,11 @@ class PeerLinks:
                                   "linking over %s instead", link.name, exc, then)
         link = PeerLink(peer, self._channels[names[-1]], kinds)
         link.state = link.channel.open(peer, kinds, link.name)
+        try:
+            link.channel.first_contact(link, time.monotonic() + FIRST_CONTACT_S)
+        except BaseException:
+            link.close()
+            raise
         return link
 
     def unlink(self, instance_id: str) -> bool:

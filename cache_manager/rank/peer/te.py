@@ -20,7 +20,9 @@ import numpy as np
 
 from ops.shm import SharedMemorySegment, segment_identity
 from transfer_factory.peer import PeerDescriptor
-from transfer_factory.peer.te import Inflight, ScratchWords, TransferEngineEndpoint, block_addresses, coalesce
+from transfer_factory.peer.handles import GENERATION_WORD
+from transfer_factory.peer.te import (Inflight, PeerTransferError, ScratchWords, TransferEngineEndpoint,
+                                      block_addresses, coalesce)
 
 from cache_manager.rank.peer.channel import Boards, InstanceLink, PeerChannel, PeerError, PeerLink, Route, Sides
 from cache_manager.rank.resources import RankResources
@@ -115,6 +117,19 @@ class TransferEngineChannel(PeerChannel):
         if not self.te.is_open:
             raise PeerError(f"{name}: this rank's Transfer Engine is not open (describe with mooncake first)")
         return state
+
+    def first_contact(self, link: PeerLink, deadline: float) -> None:
+        """Mooncake 0.3.13 makes its handshake with a peer inside the first transfer, holding the
+        process's GIL: a peer that accepted the connection but does not answer (a stopped process)
+        froze the whole rank for up to a minute at its first pull.  The handshake happens here
+        instead, reading the peer engine's generation word, which must still be the descriptor's."""
+        try:
+            word = self.board_word(link, GENERATION_WORD, deadline)
+        except PeerTransferError as exc:
+            raise PeerError(f"{link.name} at {link.where}: cannot be reached to link ({exc})") from None
+        if word != link.descriptor.generation:
+            raise PeerError(f"{link.name} at {link.where}: its engine's caches were replaced since it was "
+                            f"described (generation {word}, not {link.descriptor.generation}): describe it again")
 
     def move(self, link: InstanceLink, routes: list[Route], sides: Sides, pull: bool, local_ids: list[int],
              remote_ids: list[int], layers: range, placement: str, deadline: float) -> tuple[int, Inflight | None]:
