@@ -62,6 +62,7 @@ class WordStillInFlight(PeerTransferError):
 # push) may run at once.
 SLICE_BYTES = 64 << 10
 MAX_SLICES_IN_FLIGHT = 512
+OPEN_ATTEMPTS = 3  # tries to start the Transfer Engine (its random data port may be taken)
 
 
 def _slices(length: int) -> int:
@@ -224,15 +225,22 @@ class TransferEngineEndpoint:
                 from mooncake.engine import TransferEngine  # the wheel is optional for same-host P/D
 
                 before = listening_sockets()
-                engine = TransferEngine()
                 # Mooncake binds its handshake and data ports to every interface whatever hostname it
                 # is given: bind them to the hostname where it is an address of this host
                 host = bind_address(self.hostname)
-                with loopback_binds(host) if host else contextlib.nullcontext():
-                    rc = engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, "")
-                if rc != 0:
+                for attempt in range(1, OPEN_ATTEMPTS + 1):
+                    engine = TransferEngine()
+                    with loopback_binds(host) if host else contextlib.nullcontext():
+                        rc = engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, "")
+                    if rc == 0:
+                        break
+                    # Mooncake draws its data port at random: two ranks starting in the same millisecond
+                    # can draw the same one ("Address already in use"); a fresh engine draws again
+                    self._log.warning("the Transfer Engine did not start on %s (return code %s, try %d of %d)",
+                                      self.hostname, rc, attempt, OPEN_ATTEMPTS)
+                else:
                     raise PeerTransferError(f"the Mooncake Transfer Engine did not start on {self.hostname} "
-                                            f"({self.protocol}): return code {rc}")
+                                            f"({self.protocol}): return code {rc}, {OPEN_ATTEMPTS} times")
                 self._engine = engine
                 self.address = f"{self.hostname}:{engine.get_rpc_port()}"
                 opened = sorted(listening_sockets() - before, key=lambda s: s[1])

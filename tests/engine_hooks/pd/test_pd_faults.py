@@ -28,6 +28,16 @@ def prefill():
         yield peer
 
 
+def kill_engine(peer) -> None:
+    """SIGKILL a child instance's engine and wait until its CTMs followed it."""
+    os.kill(peer.pid, signal.SIGKILL)
+    peer.proc.wait(10)
+    deadline = time.monotonic() + 15
+    while not all(process_gone(pid) for pid in peer.rank_pids):
+        assert time.monotonic() < deadline, f"{peer.instance}'s CTMs outlived their engine"
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("transport", ["ipc", "mooncake"])
 def test_a_pull_from_a_killed_prefill_instance_fails_naming_it_and_decode_serves_on(decode, prefill, transport):
     svc, d = decode
@@ -49,12 +59,7 @@ def test_a_pull_from_a_killed_prefill_instance_fails_naming_it_and_decode_serves
     handle = prefill.call("expose", req_id="r1")
     assert d.pull_blocks("prefill-0", handle, [1, 2], [3, 4]).result(timeout=20) == [3, 4]
     before = local_digests(svc, [5, 6])
-    os.kill(prefill.pid, signal.SIGKILL)  # the prefill engine; its CTMs follow it
-    prefill.proc.wait(10)
-    deadline = time.monotonic() + 15
-    while not all(process_gone(pid) for pid in prefill.rank_pids):
-        assert time.monotonic() < deadline, "the prefill instance's CTMs outlived their engine"
-        time.sleep(0.1)
+    kill_engine(prefill)  # the prefill engine; its CTMs follow it
     # Linked before the kill: the decode ranks still map (ipc) or address (Transfer Engine) its memory.
     with pytest.raises(TaskFailedError, match="prefill-0"):
         d.pull_blocks("prefill-0", handle, [1, 2], [5, 6], timeout=10).result(timeout=20)
@@ -75,12 +80,7 @@ def test_relinking_a_dead_prefill_instance_from_its_saved_descriptor_is_refused_
     saved = prefill.call("descriptor", offer=offer_for("mooncake"))
     assert link_child(d, prefill, "mooncake") == "mooncake"
     handle = prefill.call("expose", req_id="r1")
-    os.kill(prefill.pid, signal.SIGKILL)
-    prefill.proc.wait(10)
-    deadline = time.monotonic() + 15
-    while not all(process_gone(pid) for pid in prefill.rank_pids):
-        assert time.monotonic() < deadline, "the prefill instance's CTMs outlived their engine"
-        time.sleep(0.1)
+    kill_engine(prefill)
     assert d.unlink("prefill-0")
     pids = dict(svc.pids())
     # the descriptor an engine kept: the link reaches the peer first, and is refused naming it
