@@ -76,10 +76,8 @@ from cache_manager.rank.swap_plans import SwapPlans
 # the serve thread runs it (on platforms whose copies cannot stall).  Bigger swaps stay on pools,
 # so the serve thread never stops polling for long.
 INLINE_SWAP_MAX_BYTES = 256 << 10
-# P/D transfers run on this many threads per direction: Mooncake's first contact with a peer that
-# never answers holds its thread (62 s for a stopped peer), and must not hold up pulls from others.
-# Transfers touching the same blocks still take effect in order (the scheduler), and 4 transfers
-# of MAX_SLICES_IN_FLIGHT fit one peer's queue in the Transfer Engine.
+# P/D transfer threads per direction: one stuck peer must not hold up transfers with others (blocks
+# shared by two tasks still go in order); 4 x MAX_SLICES_IN_FLIGHT fit a Transfer Engine peer queue.
 PD_THREADS = 4
 IDLE_POLL_MS = 250  # an idle rank wakes this often to look at kv_cache_status and the engine
 DRAIN_POLL_MS = 10  # how often a clearing rank looks whether its tasks released their blocks

@@ -1,4 +1,5 @@
-"""The ``address`` FastDeploy gives its ``EngineCacheQueue``: ``(host, port)``, or, with
+"""Where FastDeploy's ``EngineCacheQueue`` is, and which engine it serves: its ``address`` and its
+data-parallel arguments (``check_data_parallel``).  The ``address`` is ``(host, port)``, or, with
 ``FD_ENGINE_TASK_QUEUE_WITH_SHM=1`` (its default), the path ``/dev/shm/fd_task_queue_<port>.sock``.
 
 A path is a name only (``cache_manager.queue.unix_address`` says why): the server listens on a
@@ -38,3 +39,13 @@ def parse_address(address: Any) -> QueueAddress:
         raise ValueError(f"address {address!r} must be (host, port) or a Unix-socket path "
                          "(/dev/shm/fd_task_queue_<port>.sock, as FastDeploy passes with FD_ENGINE_TASK_QUEUE_WITH_SHM=1)")
     return QueueAddress(address[0], address[1])
+
+
+def check_data_parallel(size: Any, index: Any) -> None:
+    """FastDeploy's data-parallel arguments: every DP engine has its own queue (and port), and passes the
+    DP size to its server and its index to its handles (with the default size: FastDeploy's prefix cache
+    manager passes only the index).  ``ValueError`` names a value out of range."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or isinstance(index, bool) \
+            or not isinstance(index, int) or index < 0 or (size > 1 and index >= size):
+        raise ValueError(f"local_data_parallel_size {size!r} / local_data_parallel_id {index!r}: the size must be "
+                         "a positive integer and the id a non-negative one below it")

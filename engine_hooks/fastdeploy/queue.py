@@ -45,7 +45,7 @@ from ops.procs import pid_alive
 from cache_manager.queue.unix_address import fastdeploy_queue_path, note_requested_path, private_socket_path
 
 from ..core.engine_core import EngineCore
-from .address import parse_address
+from .address import check_data_parallel, parse_address
 from .control import ControlRefused, ControlResponse, ControlResponses, response_from
 from .secret import DEFAULT_AUTHKEY, SECRET_LABEL, SecretFile, queue_secret
 from .tasks import Entry, parse_transfer_task
@@ -63,16 +63,6 @@ def control_responses_for(port: int) -> ControlResponses | None:
     (TCP, or its Unix-socket name), or None: what FastDeploy's ``ctrl_c2e_rank<r>_<port>`` queues read."""
     core = _servers.get(port) or _servers.get(fastdeploy_queue_path(port))
     return core.controls if core is not None else None
-
-
-def check_data_parallel(size: Any, index: Any) -> None:
-    """FastDeploy's data-parallel arguments: every DP engine has its own queue (and port), and passes the
-    DP size to its server and its index to its handles (with the default size: FastDeploy's prefix cache
-    manager passes only the index).  ``ValueError`` names a value out of range."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or isinstance(index, bool) \
-            or not isinstance(index, int) or index < 0 or (size > 1 and index >= size):
-        raise ValueError(f"local_data_parallel_size {size!r} / local_data_parallel_id {index!r}: the size must be "
-                         "a positive integer and the id a non-negative one below it")
 
 
 @dataclass(frozen=True)
