@@ -80,13 +80,17 @@ def pytest_addoption(parser):
 
 
 def pytest_generate_tests(metafunc):
-    if "fastdeploy_version" in metafunc.fixturenames:
+    """``fastdeploy_version``: every chosen FastDeploy version (where what is tested differs between
+    them); ``one_fastdeploy_version``: the first chosen (release/2.6 by default, where it does not)."""
+    names = [n for n in ("fastdeploy_version", "one_fastdeploy_version") if n in metafunc.fixturenames]
+    if names:
         from tests.fastdeploy_engine_side import VERSIONS
         chosen = metafunc.config.getoption("fastdeploy_version") or list(VERSIONS)
         unknown = [v for v in chosen if v not in VERSIONS]
         if unknown:
             raise pytest.UsageError(f"--fastdeploy-version {unknown}: known are {', '.join(VERSIONS)}")
-        metafunc.parametrize("fastdeploy_version", [VERSIONS[v] for v in chosen], ids=chosen)
+        chosen = chosen if names[0] == "fastdeploy_version" else chosen[:1]
+        metafunc.parametrize(names[0], [VERSIONS[v] for v in chosen], ids=chosen)
 
 
 def pytest_configure(config):

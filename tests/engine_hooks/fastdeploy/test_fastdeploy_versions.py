@@ -1,5 +1,7 @@
 """Our CTMs driven by FastDeploy's engine side as each FastDeploy version writes it
-(``tests/fastdeploy_engine_side.py``; ``--fastdeploy-version`` picks one), real CTMs at TP=2:
+(``tests/fastdeploy_engine_side.py``; ``--fastdeploy-version`` picks one), real CTMs at TP=2; the
+storage writes for every version, the rest (where the versions do not differ) for the first chosen,
+release/2.6 by default:
 
 * storage writes answered the way each version waits for them (release/2.6: one done signal per TP
   rank, the shortest block list; develop of 2026-05: the first), then read back bit-exact.  Before:
@@ -86,9 +88,9 @@ def test_storage_writes_are_answered_as_each_version_waits(engine, fastdeploy_ve
     assert engine.queue.empty()
 
 
-def test_control_answers_arrive_on_fastdeploys_per_rank_queues(engine, fastdeploy_version):
+def test_control_answers_arrive_on_fastdeploys_per_rank_queues(engine, one_fastdeploy_version):
     control = ControlSide(engine.queue, engine.tp, port_of(engine))
-    side = PrefixCacheSide(engine.queue, engine.tp, fastdeploy_version)
+    side = PrefixCacheSide(engine.queue, engine.tp, one_fastdeploy_version)
     try:
         for _ in range(2):  # the fixed ids pause_transfer / resume_transfer, each sent twice
             control.pause(timeout=10)
@@ -114,9 +116,9 @@ def test_control_answers_arrive_on_fastdeploys_per_rank_queues(engine, fastdeplo
         side.close()
 
 
-def test_with_the_wakeup_fix_the_engine_resumes_and_nothing_is_held(engine, fastdeploy_version):
+def test_with_the_wakeup_fix_the_engine_resumes_and_nothing_is_held(engine, one_fastdeploy_version):
     control = ControlSide(engine.queue, engine.tp, port_of(engine), fixed_wakeup=True)
-    side = PrefixCacheSide(engine.queue, engine.tp, fastdeploy_version)
+    side = PrefixCacheSide(engine.queue, engine.tp, one_fastdeploy_version)
     try:
         control.sleep("sleep-2", timeout=10)
         engine.free_caches()
@@ -127,7 +129,7 @@ def test_with_the_wakeup_fix_the_engine_resumes_and_nothing_is_held(engine, fast
         side.close()
 
 
-def test_two_data_parallel_engines_start_as_fastdeploy_configures_them(tmp_path, fastdeploy_version):
+def test_two_data_parallel_engines_start_as_fastdeploy_configures_them(tmp_path, one_fastdeploy_version):
     engines: list[FastDeployEngine] = []
     sides: list[PrefixCacheSide] = []
     try:
@@ -137,7 +139,7 @@ def test_two_data_parallel_engines_start_as_fastdeploy_configures_them(tmp_path,
             # FastDeploy's PrefixCacheManager opens its handle with its engine's local_data_parallel_id
             handle = EngineCacheQueue(address=("127.0.0.1", port_of(engine)), is_server=False, num_client=2,
                                       client_id=0, local_data_parallel_id=dp)
-            sides.append(PrefixCacheSide(handle, 2, fastdeploy_version))
+            sides.append(PrefixCacheSide(handle, 2, one_fastdeploy_version))
         engines[0].fill(seed=11)
         engines[1].fill(seed=12)
         stored = {k: v[SRC].copy() for k, v in engines[0].views().items()}
