@@ -156,37 +156,44 @@ class _Core:
 
     # -- completion (runs on whichever thread resolves the future) ----------------
     def _settle(self, wid: str, future: Future) -> None:
+        """Once the task resolved and was released: its done signals (or its failure) and its leaving
+        the in-flight table happen under one lock, so ``empty()`` is never true before they show."""
         if not (future.done() and future.released.done()):
             return
         with self.lock:
-            entry = self.inflight.pop(wid, None)
-        if entry is None or entry.kind == "control":
-            return  # the other callback got there first; a control task was answered when it resolved
-        error = future.exception()
-        if entry.cleared:
-            logger.info("task %s was forgotten (clear_transfer_task or close); its done signal is dropped",
-                        entry.task_id)
-            return
-        if entry.kind == "swap":
+            entry = self.inflight.get(wid)
+        if entry is None:
+            return  # the other callback got there first
+        signals: list = []
+        failure = None
+        if entry.kind == "control" or entry.cleared:
+            pass  # a control task was answered when it resolved; a forgotten one's signal is dropped
+        elif entry.kind == "swap":
+            error = future.exception()
             if error is not None:
-                self._swap_failed(entry.task_id, f"{type(error).__name__}: {error}")
-                return
-            nodes, gpu, cpu = entry.report
-            signals = [(entry.event, entry.task_id, list(nodes), list(gpu), list(cpu))]
+                failure = f"{type(error).__name__}: {error}"
+            else:
+                nodes, gpu, cpu = entry.report
+                signals = [(entry.event, entry.task_id, list(nodes), list(gpu), list(cpu))]
         else:
+            error = future.exception()
             if error is not None:
                 logger.warning("storage task %s failed; reporting 0 blocks: %s", entry.task_id, error)
             blocks = list(future.result()) if error is None else []
             signals = [(entry.event, entry.task_id, list(entry.report[0]), list(blocks)) for _ in range(self.tp)]
         with self.lock:
+            if self.inflight.pop(wid, None) is None:
+                return
             self.done.extend(signals)
-
-    def _swap_failed(self, task_id: Any, reason: str) -> None:
-        logger.error("swap task %s failed and is NOT reported done: %s", task_id, reason)
-        with self.lock:
-            self.failed[task_id] = reason
-            while len(self.failed) > MAX_FAILED_KEPT:
-                self.failed.popitem(last=False)
+            if failure is not None:
+                self.failed[entry.task_id] = failure
+                while len(self.failed) > MAX_FAILED_KEPT:
+                    self.failed.popitem(last=False)
+        if failure is not None:
+            logger.error("swap task %s failed and is NOT reported done: %s", entry.task_id, failure)
+        elif entry.cleared and entry.kind != "control":
+            logger.info("task %s was forgotten (clear_transfer_task or close); its done signal is dropped",
+                        entry.task_id)
 
     # -- ranks ------------------------------------------------------------------------
     def wait_ready(self, timeout: float) -> bool:
