@@ -2,6 +2,7 @@
 that outlives its owner; files only this process's user may read)."""
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import select
@@ -235,3 +236,46 @@ class PathReaper:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def listening_ports(pid: int | str = "self") -> set[int]:
+    """TCP ports process ``pid`` listens on; empty where /proc says nothing."""
+    return {port for _, port in listening_sockets(pid)}
+
+
+def listening_sockets(pid: int | str = "self") -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket process ``pid`` listens on (its sockets in /proc/<pid>/fd
+    matched to the kernel's tables; ``0.0.0.0`` or ``::``: every interface); empty where /proc says
+    nothing."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return set()
+    found = set()
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                address, port = cols[1].rsplit(":", 1)
+                found.add((_proc_address(address), int(port, 16)))
+    return found
+
+
+def _proc_address(hex_address: str) -> str:
+    """/proc/net/tcp's address (host-order 32-bit words in hex) as text."""
+    raw = b"".join(int(hex_address[i:i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(hex_address), 8))
+    address = ipaddress.ip_address(raw)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return f"::ffff:{mapped}" if mapped is not None else str(address)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import ipaddress
 import json
 import logging
 import os
@@ -42,6 +41,8 @@ import numpy as np
 
 if __package__ in (None, ""):            # run as a script: put the repo on sys.path
     import _common  # noqa: F401
+
+from ops.procs import listening_sockets  # noqa: E402  (after the repo is on sys.path)
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,34 +99,8 @@ class PoolClient:
 
 
 def listeners(pid: int | str = "self") -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket in LISTEN state that ``pid`` holds, in this netns."""
-    by_inode: dict[str, tuple[str, int]] = {}
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        try:
-            f = open(table)
-        except OSError:
-            continue
-        with f:
-            next(f, None)
-            for line in f:
-                fields = line.split()
-                if len(fields) < 10 or fields[3] != "0A":
-                    continue
-                hex_ip, hex_port = fields[1].split(":")
-                raw = bytes.fromhex(hex_ip)
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))   # words in host order
-                ip = ipaddress.ip_address(raw)
-                mapped = getattr(ip, "ipv4_mapped", None)
-                by_inode[fields[9]] = (f"::ffff:{mapped}" if mapped else str(ip), int(hex_port, 16))
-    out = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:[") and link[8:-1] in by_inode:
-            out.append(by_inode[link[8:-1]])
-    return sorted(out)
+    """(address, port) of every TCP socket in LISTEN state that ``pid`` holds, in its netns."""
+    return sorted(listening_sockets(pid))
 
 
 def _fill(buf: np.ndarray, key: str) -> None:

@@ -10,7 +10,8 @@ import pytest
 from cache_manager.cache_spec import CacheSpec
 from engine_hooks.core.errors import TaskFailedError, TaskTimeoutError
 from tests.pd_helpers import child_instance, link_child, local_digests, local_instance
-from transfer_factory.peer.te import listening_ports, listening_sockets, socket_text
+from ops.procs import listening_ports, listening_sockets
+from transfer_factory.peer.te import socket_text
 from tests.service_helpers import fill_distinct, process_gone
 
 SPEC = dict(num_layers=4, num_blocks=32, kv_heads=2, block_size=4, head_dim=8)

@@ -26,6 +26,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 import pytest
 
+from ops.procs import listening_sockets
+
 pytest.importorskip("mooncake.store")
 
 from tests.service_helpers import (block_bytes, fill_distinct, process_gone, segments_of, start_service,  # noqa: E402
@@ -52,30 +54,7 @@ def _own_mooncake_env(monkeypatch):
 # ---------------------------------------------------------------- listeners
 def listeners(pid: int) -> list[tuple[str, int]]:
     """(address, port) of every TCP socket in LISTEN state that ``pid`` holds."""
-    by_inode: dict[str, tuple[str, int]] = {}
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        with open(table) as f:
-            next(f)
-            for line in f:
-                fields = line.split()
-                if fields[3] != "0A":
-                    continue
-                hex_ip, hex_port = fields[1].split(":")
-                raw = bytes.fromhex(hex_ip)
-                # the kernel prints each 32-bit word in host (little-endian) order
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
-                ip = ipaddress.ip_address(raw)
-                mapped = getattr(ip, "ipv4_mapped", None)
-                by_inode[fields[9]] = (f"::ffff:{mapped}" if mapped else str(ip), int(hex_port, 16))
-    out = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:[") and link[8:-1] in by_inode:
-            out.append(by_inode[link[8:-1]])
-    return sorted(out)
+    return sorted(listening_sockets(pid))
 
 
 def is_loopback(address: str) -> bool:
