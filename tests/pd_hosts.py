@@ -38,6 +38,8 @@ import sys
 import time
 from typing import Iterator
 
+from ops.shm_ledger import process_state
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -127,11 +129,8 @@ class HostInstance:
 
 def alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
+    state = process_state(pid)
+    return state is not None and state[1] not in ("Z", "X")
 
 
 def wait_gone(pids, timeout: float) -> list[int]:

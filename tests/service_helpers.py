@@ -6,6 +6,7 @@ import os
 import numpy as np
 
 from engine_hooks import CacheSpec, CacheTransferService
+from ops.shm_ledger import process_state
 
 SMALL = CacheSpec(num_layers=2, num_blocks=16, kv_heads=2, block_size=4, head_dim=8)
 NUM_CPU_BLOCKS = 8
@@ -38,12 +39,10 @@ def segments_of(svc_port: int) -> list[str]:
 
 
 def process_gone(pid: int) -> bool:
-    """True once ``pid`` no longer runs (a zombie waiting to be reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
+    """True once ``pid`` no longer runs (a zombie waiting to be reaped counts as gone).  A process
+    that ends between opening and reading its ``/proc`` entry (ESRCH) is gone too."""
+    state = process_state(pid)
+    return state is None or state[1] in ("Z", "X")
 
 
 def block_bytes(svc: CacheTransferService, ids) -> dict:

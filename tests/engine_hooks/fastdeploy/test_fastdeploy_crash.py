@@ -20,6 +20,7 @@ import time
 from typing import Iterator
 
 from engine_hooks.core.launcher import REPO_ROOT
+from tests.service_helpers import process_gone
 
 # The engine: FastDeploy's Unix-socket queue and signal names, two CTMs launched as FastDeploy does,
 # a swap and its control requests; it reports what it saw, then waits to be killed.
@@ -54,11 +55,7 @@ ENGINE = textwrap.dedent("""
 
 def running(pid: int) -> bool:
     """True while ``pid`` runs (a zombie waiting for a reaper does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
+    return not process_gone(pid)
 
 
 def segments_of(port: int) -> list[str]:
