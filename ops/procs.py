@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 import os
 import select
 import shutil
@@ -24,6 +25,18 @@ def process_argv(pid: int) -> list[str] | None:
             return f.read().decode(errors="replace").split("\0")
     except OSError:
         return None
+
+
+def wait_readable(fds: Sequence[int], timeout: float | None) -> set[int]:
+    """The descriptors of ``fds`` that are readable, or hung up, in error or invalid (any of these is
+    "ready"), waiting up to ``timeout`` seconds (None: until one is) for the first.  poll(2), not
+    select(2): a descriptor numbered past FD_SETSIZE (1024) is fine.  The timeout is rounded up to
+    poll's milliseconds, so a wait never ends early."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
+    return {fd for fd, _ in poller.poll(ms)}
 
 
 def pid_alive(pid: int) -> bool:
@@ -60,7 +73,7 @@ class ProcessWatch:
 
     def gone(self) -> bool:
         if not self._gone:
-            self._gone = bool(select.select([self._fd], [], [], 0)[0]) if self._fd >= 0 else not pid_alive(self.pid)
+            self._gone = bool(wait_readable([self._fd], 0)) if self._fd >= 0 else not pid_alive(self.pid)
         return self._gone
 
     def close(self) -> None:
@@ -122,13 +135,18 @@ def open_private(path: str, append: bool = True) -> int:
 # the named processes, and any process whose command line names a path (one the owner was still
 # starting when it died), are gone too, since a writer that outlived the owner may recreate them.
 _REAPER = r"""
-import os, select, shutil, signal, sys, time
+import math, os, select, shutil, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGHUP, signal.SIG_IGN)
 owner, paths = int(sys.argv[1]), sys.argv[2:]
 def remove():
     for p in paths:
         shutil.rmtree(p, ignore_errors=True)
+def ready(fds, timeout=None):  # poll(2): select(2) refuses a descriptor past FD_SETSIZE
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return {fd for fd, _ in poller.poll(None if timeout is None else max(0, math.ceil(timeout * 1000)))}
 fds = []
 try:
     fds.append(os.pidfd_open(owner))
@@ -139,8 +157,7 @@ if os.getppid() == owner:  # else the owner died before the pidfd opened (or its
     buf = b""
     done = False
     while not done:
-        ready = select.select([0] + fds, [], [])[0]
-        if 0 not in ready:
+        if 0 not in ready([0] + fds):
             break  # the owner exited
         chunk = os.read(0, 4096)
         if not chunk:
@@ -170,8 +187,8 @@ for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
         pass
 end = time.monotonic() + 30.0
 while watched and time.monotonic() < end:
-    ready = select.select(watched, [], [], max(0.0, end - time.monotonic()))[0]
-    watched = [fd for fd in watched if fd not in ready]
+    gone = ready(watched, end - time.monotonic())
+    watched = [fd for fd in watched if fd not in gone]
 remove()
 """
 

@@ -11,15 +11,23 @@ that file, and every process lists what it creates in its creator record (``shm_
 ``sweep_orphans`` removes what a process killed outright left, once that process is provably gone,
 and a create under a name such a process left removes that one file first (an engine restarted on
 its port while the dead engine's CTMs linger).
+
+A mapping holds no descriptor: the file is mapped with mmap(2) directly and closed at once.
+Python's ``mmap.mmap`` keeps a dup() of the descriptor for the mapping's whole life (before
+3.13's ``trackfd=False``), so an engine of 61 layers at TP 8 held over 1,024 descriptors, past
+``select()``'s FD_SETSIZE.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import logging
 import mmap
 import os
 import re
 import stat
+import weakref
 from typing import Iterator
 
 from .shm_ledger import CREATOR_PREFIX, MAX_RECORD_BYTES, CreationLedger, Creator, Identity, parse_record
@@ -38,6 +46,48 @@ def shm_path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _munmap(address: int, size: int, munmap=_libc.munmap, log=logger) -> None:
+    """Unmap (bound at import: a mapping may outlive this module's globals at interpreter exit)."""
+    if munmap(address, size) != 0:
+        log.error("munmap(%#x, %d) failed: errno %d", address, size, ctypes.get_errno())
+
+
+@functools.lru_cache(maxsize=64)
+def _mapping_type(size: int) -> type:
+    """A ctypes byte array of ``size`` over a mapping, which unmaps it when the last reference goes:
+    the segment's, or a numpy array's or tensor's through the buffer protocol."""
+    unmap, addressof = _munmap, ctypes.addressof
+
+    def __del__(self: ctypes.Array) -> None:
+        unmap(addressof(self), size)
+
+    return type(f"_Mapping{size}", (ctypes.c_ubyte * size,), {"__del__": __del__, "__slots__": ()})
+
+
+def map_shared(fd: int, size: int, populate: bool = True) -> ctypes.Array:
+    """``size`` bytes of ``fd`` mapped shared, read-write (``MAP_POPULATE`` with ``populate``), as a ctypes
+    byte array that owns the mapping and keeps no descriptor: ``fd`` may be closed at once.  ``OSError``
+    with mmap(2)'s errno when it fails."""
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+    try:
+        return _mapping_type(size).from_address(address)
+    except BaseException:
+        _munmap(address, size)
+        raise
+
+
 class SharedMemorySegment:
     """A named, mapped shared-memory segment.
 
@@ -45,7 +95,8 @@ class SharedMemorySegment:
     by what a provably gone process of ours left is removed first (``_remove_orphan``), anything
     else under the name raises ``FileExistsError``.  ``create=False`` attaches to an existing one.
     ``populate`` maps every page now, as device memory is committed at allocation:
-    copies then never pay first-touch page faults.
+    copies then never pay first-touch page faults.  The mapping keeps no descriptor open
+    (``map_shared``); ``buf`` is a writable byte ``memoryview`` of it.
     """
 
     def __init__(self, name: str, size: int = 0, create: bool = False, populate: bool = True):
@@ -77,28 +128,32 @@ class SharedMemorySegment:
                 os.close(fd)
                 raise ValueError(f"shared-memory segment {name!r} is empty (its creator has not sized it yet)")
         try:
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-            self._mmap: mmap.mmap | None = mmap.mmap(fd, size, flags=flags)
+            mapping = map_shared(fd, size, populate)
         finally:
             os.close(fd)
+        self._buf: memoryview | None = memoryview(mapping).cast("B")
         self.size = size
         self.identity: Identity = (info.st_dev, info.st_ino)  # the file opened, whatever the name holds later
 
     @property
-    def buf(self) -> mmap.mmap:
-        if self._mmap is None:
+    def buf(self) -> memoryview:
+        """The mapped bytes, writable (``np.frombuffer(segment.buf, ...)``, ``segment.buf[:n] = data``)."""
+        if self._buf is None:
             raise ValueError(f"shared-memory segment {self.name!r} is closed")
-        return self._mmap
+        return self._buf
 
     def close(self) -> None:
-        """Unmap, unless tensors still view it: then the mapping goes with the last of them."""
-        if self._mmap is None:
+        """Unmap, unless arrays or tensors still view it: then the mapping goes with the last of them."""
+        if self._buf is None:
             return
+        mapping = weakref.ref(self._buf.obj)
         try:
-            self._mmap.close()
-        except BufferError:
+            self._buf.release()  # ``buf`` itself is unusable from here on; views made from it are not
+        except BufferError:  # a memoryview(buf) is still held
+            pass
+        self._buf = None
+        if mapping() is not None:
             logger.debug("segment %s still has live views; it is unmapped when they are released", self.name)
-        self._mmap = None
 
     def unlink(self) -> None:
         """Remove the name (creator only); existing mappings stay valid."""

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import threading
 import time
 from typing import Callable, Mapping, Protocol
+
+from ops.procs import wait_readable
 
 from .task_tracker import TaskTracker
 
@@ -105,7 +106,7 @@ class Supervisor:
             wake = tracker.plan_wake(last_beat + BEAT_S)
             timeout = min(BEAT_S, max(0.0, wake - time.monotonic()))
             bell = self._bell
-            ready, _, _ = select.select([fd for _, fd in watched.values()] + [bell], [], [], timeout)
+            ready = wait_readable([fd for _, fd in watched.values()] + [bell], timeout)  # poll(2): no FD_SETSIZE
             if bell in ready:
                 try:
                     os.eventfd_read(bell)
