@@ -1,8 +1,10 @@
-"""CacheSpec: the shapes and dtypes of one rank's caches, shared by the engine and the CTMs.
+"""CacheSpec: FastDeploy's description of one rank's caches (its ``--key_cache_shape`` family of
+flags): K, V unless MLA, fp8 scales when ``block_wise_fp8``, speculative extra layers with their
+own block count.
 
-The engine allocates from it and the CTM attaches by it, so both agree on every cache
-kind (K, V, fp8 scales), on the layers (speculative extra layers with their own block
-count) and on the storage namespace.
+Every path works on the ``CacheLayout`` it stands for (``layout()``, ``as_layout``): groups with
+exactly these caches' IPC names and storage keys.  Layouts FastDeploy's flags cannot say (MLA
+latent + rope, indexers, sliding windows, state) are ``CacheLayout`` objects themselves.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import os
 from dataclasses import dataclass
 
 from transfer_factory.keys import Namespace
+
+from cache_manager.cache_layout import CacheLayout, TensorGroup
 
 
 @dataclass(frozen=True)
@@ -80,9 +84,27 @@ class CacheSpec:
 
     def storage_namespace(self, model_id: str, model_version: str, tp_size: int) -> Namespace:
         """The namespace of this model's storage keys; the engine and every CTM build it here."""
-        return Namespace(model_id=model_id or "model", model_version=model_version, tp_size=tp_size,
-                         cache_dtype=self.cache_dtype, block_size=self.block_size,
-                         num_layers=self.num_layers + self.num_extra_layers)
+        return self.layout().storage_namespace(model_id, model_version, tp_size)
+
+    def layout(self) -> CacheLayout:
+        """The groups these flags describe: one per cache kind, every layer, FastDeploy's names."""
+        layers = range(self.num_layers + self.num_extra_layers)
+        tp = "replicated" if self.mla else "split"
+        groups = tuple(TensorGroup(name=kind, dtype=dtype, block_shape=tuple(shape), layers=layers,
+                                   kind="scale" if kind.endswith("_scales") else "full", tp=tp)
+                       for kind, shape, dtype in self.kinds())
+        return CacheLayout(groups=groups, num_blocks=self.num_blocks, block_size=self.block_size,
+                           num_layers=self.num_layers, num_extra_layers=self.num_extra_layers,
+                           extra_block_ratio=self.extra_block_ratio, legacy={"cache_dtype": self.cache_dtype})
+
+
+def as_layout(spec: "CacheSpec | CacheLayout") -> CacheLayout:
+    """The layout every path works on, from either form the engine API takes."""
+    if isinstance(spec, CacheLayout):
+        return spec
+    if isinstance(spec, CacheSpec):
+        return spec.layout()
+    raise ValueError(f"a cache spec must be a CacheSpec or a CacheLayout, got {type(spec).__name__}")
 
 
 def key_prefix_from_version(model_path: str) -> str:

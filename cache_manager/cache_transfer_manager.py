@@ -56,7 +56,7 @@ from cache_manager.rank.peer.late import STUCK_TRANSFER_EXIT
 from cache_manager.rank.peer.transfers import PeerTransfers
 from cache_manager.cache_tasks import (ControlTask, PullTask, PushTask, Outcome, RankResult, ReadStorageTask, SwapTask, TaskFormatError, task_deadline,
                           task_from_wire)
-from cache_manager.ctm_flags import NPU_COPY_ENGINE_DEFAULT, parse_args, spec_from_args
+from cache_manager.ctm_flags import NPU_COPY_ENGINE_DEFAULT, layout_from_args, parse_args
 from cache_manager.engine_watch import EngineGone, EngineWatch, remove_engine_leftovers
 from cache_manager.rank.scheduler import Fail, TaskScheduler
 from cache_manager.rank.lifecycle import KvCacheLifecycle
@@ -98,7 +98,7 @@ class CacheTransferManager:
         self.queue_endpoint = queue_endpoint or f"tcp://{args.pod_ip}:{args.cache_queue_port}"
         self.log = log
         self.rank = args.rank
-        self.spec = spec_from_args(args)
+        self.layout = layout_from_args(args)
         # The engine's IPC names: port and its random token (CTM_IPC_TOKEN), or the bare port, warned
         self.ipc_suffix = engine_ipc_suffix(args.engine_worker_queue_port)
         self.instance = args.ipc_instance or self.ipc_suffix
@@ -118,7 +118,7 @@ class CacheTransferManager:
         self.recv_seq = 0
         self.engine_watch = engine_watch or EngineWatch(args.engine_pid, log)
         self._next_engine_check = 0.0
-        self.resources = RankResources(args, self.spec, self.platform, self.signals, log, self.stop_event,
+        self.resources = RankResources(args, self.layout, self.platform, self.signals, log, self.stop_event,
                                        self._check_engine)
         self.layer_board = RankLayerBoard(args.mp_num, self.ipc_suffix, args.rank, log)
         self._swap_plans = SwapPlans()  # the kinds' swap plans merged, rebuilt when the plans change
@@ -152,7 +152,7 @@ class CacheTransferManager:
         self.signals.attach(CACHE_TRANSFER_INITED_SIGNAL, a.mp_num)
         self.lifecycle = KvCacheLifecycle(self.resources, self.scheduler, self.signals, self.queue, self.rank,
                                           self.log, self.stop_event, a.rl_barrier_timeout)
-        self.peers = PeerLinks(self.rank, a.mp_num, a.splitwise_role, self.spec, self.resources, self.platform,
+        self.peers = PeerLinks(self.rank, a.mp_num, a.splitwise_role, self.layout, self.resources, self.platform,
                                a.pod_ip, self.log)
         self.transfers = PeerTransfers(self.peers, self.resources, self.log, on_stuck=self._transfer_stuck)
         self.control = RankControl(self.resources, self.scheduler, self.signals, self.queue, self.rank, a.mp_num,
@@ -274,7 +274,8 @@ class CacheTransferManager:
 
     def _swap(self, task: SwapTask, deadline: float | None) -> Outcome:
         mode = ops.DEVICE_TO_HOST if task.event_type == CacheStatus.SWAP2CPU else ops.HOST_TO_DEVICE
-        plans = [g.swap_plan for g in self.resources.groups]
+        groups = self.resources.block_groups()
+        plans = [g.swap_plan for g in groups]
         if task.layerwise is None:  # no board to mark FAILED: spare the round trip a context manager
             self._check_swap_space()
             for plan in self._swap_plans.whole(plans) if self.platform.merges_swap_plans else plans:
@@ -286,7 +287,8 @@ class CacheTransferManager:
                 copy_layerwise(self.platform, plans, task.gpu_block_ids,
                                task.cpu_block_ids, mode, publisher,
                                deadline if deadline is not None else time.monotonic() + 30.0,
-                               task.layerwise.await_compute, self.stop_event, self._swap_plans)
+                               task.layerwise.await_compute, self.stop_event, self._swap_plans,
+                               [g.spec.layers for g in groups])
         return Outcome(bytes_moved=len(task.gpu_block_ids) * self.resources.block_bytes_all_layers)
 
     def _check_swap_space(self) -> None:

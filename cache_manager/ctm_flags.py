@@ -1,19 +1,21 @@
 """The CacheTransferManager's command-line flags: FastDeploy's, checked, and this project's own.
 
 ``parse_args`` exits non-zero naming the flag for any bad value, before anything is attached;
-``spec_from_args`` is the cache spec the flags describe (the engine built its caches from the same
-spec).  FastDeploy-only flags are accepted and documented as such, so its launch lines work as
-they are.
+``layout_from_args`` is the cache layout the flags describe (the engine built its caches from the same
+layout): FastDeploy's ``--key_cache_shape`` family, or this project's ``--cache_layout``.
+FastDeploy-only flags are accepted and documented as such, so its launch lines work as they are.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 
 import ops
 from transfer_factory import backend_names
 
+from cache_manager.cache_layout import CacheLayout, load_layout
 from cache_manager.cache_spec import CacheSpec
 from cache_manager.queue.checks import MAX_BARRIER_TIMEOUT
 from cache_manager.storage.transfer_modes import TRANSFER_MODES
@@ -96,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mp_num", type=_positive, default=1)
     p.add_argument("--cache_dtype", default="bfloat16", choices=CACHE_DTYPES)
     p.add_argument("--default_dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--key_cache_shape", type=_shape, required=True, help="N,H,B,D")
+    p.add_argument("--key_cache_shape", type=_shape, default=None, help="N,H,B,D (required without --cache_layout)")
     p.add_argument("--value_cache_shape", type=_shape, default=[], help="N,H,B,D; empty for MLA")
     p.add_argument("--cache_queue_port", type=_port, required=True)
     p.add_argument("--enable_splitwise", type=_flag, default=False)
@@ -134,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a rank waits at an RL clear/restore barrier for the other ranks before it logs "
                         "the missing ones and arrives at the next")
     p.add_argument("--storage_options", type=_json, default={}, help="JSON options of the storage backend")
+    p.add_argument("--cache_layout", default=None,
+                   help="a grouped cache layout (JSON text or a JSON file; cache_manager/cache_layout.py): MLA latent "
+                        "+ rope, indexers, sliding windows, state; replaces the --key_cache_shape family")
     p.add_argument("--storage_transfer", default="auto", choices=TRANSFER_MODES,
                    help="direct: backend reads/writes the caches in place; staged: through a staging buffer")
     return p
@@ -151,6 +156,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"argument --speculative_config: num_extra_cache_layer {extra!r} must be a non-negative integer")
     if not isinstance(ratio, (int, float)) or ratio <= 0:
         parser.error(f"argument --speculative_config: num_gpu_block_expand_ratio {ratio!r} must be positive")
+    if args.cache_layout is not None:
+        try:
+            args.layout = load_layout(args.cache_layout)
+        except ValueError as exc:
+            parser.error(f"argument --cache_layout: {exc}")
+        args.key_cache_shape = [args.layout.num_blocks, 1, args.layout.block_size, 1]
+        given = sys.argv[1:] if argv is None else argv
+        if args.layout.num_layers != args.num_layers and any(a.startswith("--num_layers") for a in given):
+            parser.error(f"argument --num_layers: {args.num_layers}, the --cache_layout has {args.layout.num_layers}")
+        args.num_layers = args.layout.num_layers
+    elif not args.key_cache_shape:
+        parser.error("the following arguments are required: --key_cache_shape (or --cache_layout)")
+    else:
+        args.layout = None
     if args.value_cache_shape and args.value_cache_shape[0] != args.key_cache_shape[0]:
         parser.error(f"argument --value_cache_shape: {args.value_cache_shape[0]} blocks, "
                      f"--key_cache_shape has {args.key_cache_shape[0]}")
@@ -163,8 +182,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def layout_from_args(args: argparse.Namespace) -> CacheLayout:
+    """The cache layout the flags describe (the engine built its caches from the same layout)."""
+    return args.layout if args.layout is not None else spec_from_args(args).layout()
+
+
 def spec_from_args(args: argparse.Namespace) -> CacheSpec:
-    """The cache spec the flags describe (the engine built its caches from the same spec)."""
+    """The FastDeploy cache spec of the ``--key_cache_shape`` family of flags."""
     n, heads, block_size, head_dim = args.key_cache_shape
     value = args.value_cache_shape
     spec = args.speculative_config

@@ -52,7 +52,10 @@ from transfer_factory.peer.descriptor import ROLES
 from transfer_factory.peer.handles import NO_GENERATION
 
 from .core import kv_cache_control
-from .core.device_caches import CacheSpec, DeviceCaches
+from cache_manager.cache_layout import CacheLayout
+from cache_manager.cache_spec import CacheSpec, as_layout
+
+from .core.device_caches import DeviceCaches
 from .core.engine_resources import EngineResources
 from .core.errors import CachesClearedError, ServiceClosed
 from .core.launcher import RankProcess, RankProcesses, default_log_dir, free_port
@@ -68,7 +71,7 @@ logger = logging.getLogger(__name__)
 class CacheTransferService:
     def __init__(
         self,
-        spec: CacheSpec,
+        spec: CacheSpec | CacheLayout,
         tp: int = 1,
         num_cpu_blocks: int = 0,
         *,
@@ -104,6 +107,7 @@ class CacheTransferService:
             raise ValueError(f"splitwise_role {splitwise_role!r} must be one of {ROLES}")
         self.splitwise_role = splitwise_role
         self.spec = spec
+        self.layout = as_layout(spec)  # what every path works on (a CacheSpec's FastDeploy layout, or a grouped one)
         self.tp = tp
         self.num_cpu_blocks = num_cpu_blocks
         self.platform_name = platform
@@ -207,12 +211,9 @@ class CacheTransferService:
     def ctm_flags(self, rank: int) -> dict[str, object]:
         """The command-line flags of rank ``rank``'s CTM (FastDeploy's, plus the platform's)."""
         s = self.spec
-        value_shape = ",".join(map(str, s.value_cache_shape))
         flags: dict[str, object] = {
             "splitwise_role": self.splitwise_role, "rank": rank, "device_id": self.device_ids[rank],
             "max_model_len": self.max_model_len, "num_layers": s.num_layers, "mp_num": self.tp,
-            "cache_dtype": s.cache_dtype, "default_dtype": s.default_dtype,
-            "key_cache_shape": ",".join(map(str, s.cache_shape)), "value_cache_shape": value_shape,
             "cache_queue_port": self.cache_queue_port, "pod_ip": self.pod_ip,
             "engine_worker_queue_port": self.port, "num_cpu_blocks": self.num_cpu_blocks,
             "platform": self.platform_name, "log_dir": self.log_dir, "engine_pid": os.getpid(),
@@ -222,8 +223,14 @@ class CacheTransferService:
         }
         if self.storage_options:
             flags["storage_options"] = json.dumps(self.storage_options)
-        if s.speculative_config():
-            flags["speculative_config"] = json.dumps(s.speculative_config())
+        if isinstance(s, CacheSpec):  # FastDeploy's flags, as its launch line gives them
+            flags.update(cache_dtype=s.cache_dtype, default_dtype=s.default_dtype,
+                         key_cache_shape=",".join(map(str, s.cache_shape)),
+                         value_cache_shape=",".join(map(str, s.value_cache_shape)))
+            if s.speculative_config():
+                flags["speculative_config"] = json.dumps(s.speculative_config())
+        else:
+            flags["cache_layout"] = json.dumps(s.to_json(), separators=(",", ":"))
         flags.update(self.extra_flags)
         return flags
 

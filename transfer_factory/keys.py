@@ -4,8 +4,8 @@
 writes each token id as 8 little-endian bytes: never Python's ``hash``, never pickle, so
 every process and host computes the same keys.  The key of one rank's share of a block is
 ``{namespace}/{h_n}/{rank}/{k|v|k_scale|v_scale}``; the namespace carries the model id and
-version, TP size, cache dtype, block size, layer count and layout version, so two models or
-two TP layouts never share a key.
+version, TP size, cache dtype, block size, layer count, layout version and (for a grouped cache layout) the layout's
+digest, so two models, two TP layouts or two cache layouts never share a key.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ class Namespace:
     block_size: int
     num_layers: int
     layout_version: int = LAYOUT_VERSION
+    layout_digest: str = ""  # a grouped cache layout's digest; empty for FastDeploy's K/V layout
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "block_size", "num_layers", "layout_version"):
@@ -40,8 +41,9 @@ class Namespace:
 
     def __str__(self) -> str:
         """A readable, path-safe prefix plus a digest of every field (so no two namespaces collide)."""
-        fields = "\x00".join(str(v) for v in (self.model_id, self.model_version, self.tp_size, self.cache_dtype,
-                                               self.block_size, self.num_layers, self.layout_version))
+        values = [self.model_id, self.model_version, self.tp_size, self.cache_dtype, self.block_size,
+                  self.num_layers, self.layout_version] + ([self.layout_digest] if self.layout_digest else [])
+        fields = "\x00".join(str(v) for v in values)
         digest = hashlib.sha256(fields.encode()).hexdigest()[:16]
         slug = _SLUG.sub("_", self.model_id.rsplit("/", 1)[-1])[:48] or "model"
         return f"{slug}-tp{self.tp_size}-{digest}"
@@ -77,7 +79,12 @@ def chain_hash_ids(ids: Iterable[object], parent: str | None = None) -> list[str
     return out
 
 
+_GROUP_TAG = re.compile(r"[a-z][a-z0-9_]{0,47}")
+
+
 def storage_key(namespace: Namespace | str, block_hash: str, rank: int, kind: str) -> str:
-    if kind not in KINDS:
-        raise ValueError(f"kind {kind!r} must be one of {KINDS}")
+    """``kind``: one of ``KINDS`` (FastDeploy's caches) or a cache layout group's tag (its name)."""
+    if kind not in KINDS and not (isinstance(kind, str) and _GROUP_TAG.fullmatch(kind)):
+        raise ValueError(f"kind {kind!r} must be one of {KINDS} or a cache group's tag (lower-case letters, "
+                         "digits and '_')")
     return f"{namespace}/{block_hash}/{rank}/{kind}"

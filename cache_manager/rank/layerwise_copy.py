@@ -60,9 +60,11 @@ def publishing(publisher: LayerPublisher | None) -> Iterator[LayerPublisher | No
 
 def copy_layerwise(platform: Any, plans: Sequence[CopyPlan], device_ids: Sequence[int], host_ids: Sequence[int],
                    mode: int, publisher: LayerPublisher, deadline: float, await_compute: bool,
-                   stop: threading.Event | None = None, swap_plans: SwapPlans | None = None) -> None:
-    """Copy the blocks of every plan (one per cache kind), layer by layer, publishing each layer."""
-    per_layer = (swap_plans or SwapPlans()).per_layer(plans)
+                   stop: threading.Event | None = None, swap_plans: SwapPlans | None = None,
+                   plan_layers: Sequence[Sequence[int]] | None = None) -> None:
+    """Copy the blocks of every plan (one per cache group), layer by layer, publishing each model
+    layer once every group that has it copied it (``plan_layers``: each plan's model layers)."""
+    per_layer = (swap_plans or SwapPlans()).per_layer(plans, plan_layers)
     publisher.set_blocks(len(device_ids))
     for layer, layer_plans_ in enumerate(per_layer):
         if await_compute:

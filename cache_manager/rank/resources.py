@@ -1,5 +1,5 @@
 """What one CTM rank holds while it serves (DESIGN §3.4, §3.9): the device caches it attached
-(one ``CacheGroup`` per cache kind), the host swap space behind them, the storage mover and its
+(one ``CacheGroup`` per group of the cache layout), the host swap space behind them, the storage mover and its
 backend, and the model version in the storage namespace.
 
 The CacheTransferManager serves tasks through these; the RL lifecycle (``lifecycle``) detaches
@@ -9,6 +9,7 @@ flag: a weight update re-reads it from ``<model_path>/version.yaml``.
 from __future__ import annotations
 
 import argparse
+import bisect
 import logging
 import threading
 import time
@@ -22,7 +23,8 @@ from transfer_factory import StorageAccess, StorageConfigError, create_storage_b
 from transfer_factory.keys import Namespace
 
 from cache_manager.cache_data import CACHE_READY_SIGNAL, cache_name
-from cache_manager.cache_spec import CacheSpec, key_prefix_from_version
+from cache_manager.cache_layout import CacheLayout, TensorGroup
+from cache_manager.cache_spec import key_prefix_from_version
 from cache_manager.engine_watch import EngineGone
 from cache_manager.ipc_signal import signal_segment_name
 from cache_manager.rank.signals import RankSignals
@@ -33,19 +35,26 @@ from cache_manager.storage.transfer_modes import staging_blocks
 
 @dataclass
 class CacheGroup:
-    """One kind of per-layer cache (K, V or a scale) of every layer, and its host swap space."""
+    """One group's attached caches (``tensors[i]`` is model layer ``spec.layers[i]``'s), and its
+    host swap space.  ``kind`` is the group's name, the kind in its IPC names."""
 
     kind: str
     tensors: list[Any]
+    spec: TensorGroup
     host_ptrs: list[int] = field(default_factory=list)
     swap_plan: Any = None  # checked once when planned, reused by every swap task
 
+    @property
+    def moves_by_block(self) -> bool:
+        """Swaps, storage and P/D address it by block id (a state group is addressed by slot)."""
+        return not self.spec.per_request
+
 
 class RankResources:
-    def __init__(self, args: argparse.Namespace, spec: CacheSpec, platform: Platform, signals: RankSignals,
+    def __init__(self, args: argparse.Namespace, layout: CacheLayout, platform: Platform, signals: RankSignals,
                  log: logging.Logger, stop_event: threading.Event, check_engine: Callable[[], None]):
         self._args = args
-        self._spec = spec
+        self.layout = layout
         self._platform = platform
         self._signals = signals
         self._log = log
@@ -97,23 +106,37 @@ class RankResources:
                 self._log.exception("a memory-release watcher failed")
 
     def attach(self) -> None:
-        """Attach every layer's device caches of every kind (extra layers and fp8 scales included)."""
+        """Attach every group's device caches, each of the group's layers (extra layers, scales,
+        indexers and state included)."""
         import paddle
 
         self.memory_generation += 1
 
-        layer_blocks = self._spec.layer_blocks()
-        for kind, block_shape, dtype in self._spec.kinds():
-            template = paddle.empty([], dtype=dtype)
+        for group in self.layout.groups:
+            template = paddle.empty([], dtype=group.dtype)
             tensors = [
-                self._platform.share_external_data_(template, self._cache_name(kind, layer),
-                                                    [blocks] + list(block_shape))
-                for layer, blocks in enumerate(layer_blocks)
+                self._platform.share_external_data_(template, self._cache_name(group.name, layer),
+                                                    [rows] + list(group.block_shape))
+                for layer, rows in zip(group.layers, self.layout.rows(group))
             ]
-            self.groups.append(CacheGroup(kind, tensors))
+            self.groups.append(CacheGroup(group.name, tensors, group))
         self.block_bytes_all_layers = sum(int(np.prod(t.shape[1:])) * t.element_size()
-                                          for g in self.groups for t in g.tensors)
-        self._log.info("attached %d cache kinds x %d layers", len(self.groups), len(layer_blocks))
+                                          for g in self.block_groups() for t in g.tensors)
+        self._log.info("attached %d cache groups over %d layers", len(self.groups), self.layout.total_layers)
+
+    def block_groups(self) -> list[CacheGroup]:
+        """The attached groups a block id addresses (all but state groups)."""
+        return [g for g in self.groups if g.moves_by_block]
+
+    def layer_counts(self) -> dict[str, int]:
+        """Per block group, how many layer tensors it has (a peer's exports must match)."""
+        return {g.kind: len(g.tensors) for g in self.block_groups()}
+
+    @staticmethod
+    def rows(group: CacheGroup, layers: range) -> range:
+        """The indices of ``group.tensors`` that hold model layers ``layers`` (a step-1 range)."""
+        have = group.spec.layers
+        return range(bisect.bisect_left(have, layers.start), bisect.bisect_left(have, layers.stop))
 
     def detach(self) -> None:
         """Detach every device cache; the swap space stays (``free_swap`` frees it) and is
@@ -123,13 +146,14 @@ class RankResources:
         for g in self.groups:
             if g.host_ptrs:
                 self._kept_host[g.kind] = g.host_ptrs
-            for layer, t in enumerate(g.tensors):
+            for layer, t in zip(g.spec.layers, g.tensors):
                 self._platform.unset_data_ipc(t, self._cache_name(g.kind, layer), True, False)
         self.groups = []
 
     @property
     def num_layers(self) -> int:
-        return len(self.groups[0].tensors) if self.groups else 0
+        """The model's layers (speculative layers included) while caches are attached, else 0."""
+        return self.layout.total_layers if self.groups else 0
 
     def _cache_name(self, kind: str, layer: int) -> str:
         return cache_name(kind, layer, self.rank, self._args.device_id)
@@ -143,7 +167,7 @@ class RankResources:
             return
         self.memory_generation += 1
         allocated = 0
-        for g in self.groups:
+        for g in self.block_groups():  # a state group's slots are not swapped by block
             kept = self._kept_host.pop(g.kind, None)
             if kept is None:
                 t = g.tensors[0]
@@ -170,7 +194,7 @@ class RankResources:
 
     # ------------------------------------------------------------------ storage
     def namespace(self) -> Namespace:
-        return self._spec.storage_namespace(self._args.model_path, self.model_version, self._args.mp_num)
+        return self.layout.storage_namespace(self._args.model_path, self.model_version, self._args.mp_num)
 
     def reload_model_version(self) -> None:
         """Re-read the storage key prefix from ``<model_path>/version.yaml`` (after a weight update)."""
@@ -185,10 +209,14 @@ class RankResources:
             return
         backend = create_storage_backend(a.kvcache_storage_backend, namespace=str(self.namespace()), rank=self.rank,
                                          options=a.storage_options)
-        groups = [(g.kind, g.tensors) for g in self.groups]
-        block_size = a.key_cache_shape[2]
+        groups = [(g.spec.tag, g.tensors) for g in self.block_groups()]
+        block_size = self.layout.block_size
         try:
             if backend.access == StorageAccess.DEVICE_DIRECT:
+                if self.layout.legacy is None:
+                    raise StorageConfigError(f"{backend.name} stores FastDeploy's K/V caches only; the cache layout "
+                                             f"{self.layout.name or 'given'} has groups "
+                                             f"{', '.join(g.kind for g in self.groups)}: use the file or Mooncake store")
                 if a.storage_transfer == "staged":
                     raise StorageConfigError(f"--storage_transfer staged: {backend.name} moves device blocks itself "
                                              f"and cannot stage")

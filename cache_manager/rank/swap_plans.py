@@ -44,11 +44,20 @@ class SwapPlans:
             built = self._whole = (tuple(plans), [merge_plans(same) for same in _same_shape(plans)])
         return built[1]
 
-    def per_layer(self, plans: Sequence[CopyPlan]) -> list[list[CopyPlan]]:
+    def per_layer(self, plans: Sequence[CopyPlan], plan_layers: Sequence[Sequence[int]] | None = None
+                  ) -> list[list[CopyPlan]]:
+        """For each model layer, the merged plans of the kinds that have it.  ``plan_layers[i]`` are
+        the model layers of ``plans[i]``'s tensors (a cache group may have only some layers);
+        by default every plan has every layer."""
         built = self._layers
         if not self._built_from(built, plans):
-            shapes = _same_shape(plans)
-            layers = len(plans[0].device.bases) if plans else 0
-            built = self._layers = (tuple(plans), [[merge_plans([layer_range(p, layer, layer + 1) for p in same])
-                                                    for same in shapes] for layer in range(layers)])
+            if plan_layers is None:
+                plan_layers = [range(len(p.device.bases)) for p in plans]
+            where = [{layer: i for i, layer in enumerate(layers)} for layers in plan_layers]
+            total = max((max(layers) + 1 for layers in plan_layers if len(layers)), default=0)
+            per_layer = []
+            for layer in range(total):
+                here = [layer_range(p, w[layer], w[layer] + 1) for p, w in zip(plans, where) if layer in w]
+                per_layer.append([merge_plans(same) for same in _same_shape(here)])
+            built = self._layers = (tuple(plans), per_layer)
         return built[1]

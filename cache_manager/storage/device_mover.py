@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 from transfer_factory.device_storage import Addressing, BlockSpan, DeviceKVStorage, RankCaches
 
 from cache_manager.cache_tasks import Outcome, ReadStorageTask, WriteStorageTask
-from cache_manager.storage.io_threads import (IO_BACKLOG, KIND_TAGS, ClosesOffThread, IOThread, begin_task_stats,
+from cache_manager.storage.io_threads import (IO_BACKLOG, ClosesOffThread, IOThread, begin_task_stats,
                                               check_block_ids, read_span, start_call, wait_call)
 
 
@@ -32,7 +32,7 @@ class DeviceStorageMover(ClosesOffThread):
         self.backend = backend
         self.block_size = block_size
         self.log = log
-        kinds = {KIND_TAGS[kind]: list(tensors) for kind, tensors in groups}
+        kinds = {tag: list(tensors) for tag, tensors in groups}  # the groups' storage tags
         self.device_blocks = min(int(t.shape[0]) for tensors in kinds.values() for t in tensors)
         self.caches = RankCaches(rank, tp_size, device_id, block_size, kinds, self.device_blocks)
         self._block_bytes = sum(self.caches.block_bytes(tag) * len(tensors) for tag, tensors in kinds.items())

@@ -20,7 +20,6 @@ from typing import Any, Callable, Sequence
 from transfer_factory.log_tags import key_tag, redact
 
 IO_BACKLOG = 4  # backend calls queued per direction before new ones fail at once
-KIND_TAGS = {"key_caches": "k", "value_caches": "v", "key_cache_scales": "k_scale", "value_cache_scales": "v_scale"}
 
 
 @dataclass

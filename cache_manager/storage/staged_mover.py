@@ -56,7 +56,7 @@ from transfer_factory.keys import Namespace, storage_key
 from transfer_factory.kvcache_storage import CommitLease, KVCacheStorage, StorageAccess, commit_lease
 
 from cache_manager.cache_tasks import Outcome, ReadStorageTask, WriteStorageTask
-from cache_manager.storage.io_threads import (IO_BACKLOG, KIND_TAGS, ClosesOffThread, IOThread, ScatterLease, StorageBusy,
+from cache_manager.storage.io_threads import (IO_BACKLOG, ClosesOffThread, IOThread, ScatterLease, StorageBusy,
                          begin_task_stats,
                          check_block_ids, current_task_stats, leading, read_span, start_call,
                          wait_call)
@@ -102,10 +102,10 @@ class StorageMover(ClosesOffThread):
         self.max_blocks = max_blocks
         self.log = log
         self.groups: list[_Group] = []
-        for kind, tensors in groups:
+        for tag, tensors in groups:  # tag: the storage key's kind of the group (cache_layout)
             t = tensors[0]
             block_bytes = int(np.prod(t.shape[1:])) * t.element_size()
-            self.groups.append(_Group(KIND_TAGS[kind], tensors, block_bytes, [int(x.data_ptr()) for x in tensors]))
+            self.groups.append(_Group(tag, tensors, block_bytes, [int(x.data_ptr()) for x in tensors]))
         self.device_blocks = min(int(t.shape[0]) for _, tensors in groups for t in tensors)  # valid in every layer
         if backend.access != StorageAccess.HOST_STAGED:
             raise ValueError(f"{backend.name} moves device blocks itself: it needs a DeviceStorageMover")

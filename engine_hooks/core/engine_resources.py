@@ -31,6 +31,7 @@ from cache_manager.cache_data import (
     WORKER_HEALTHY_LIVE_SIGNAL,
     KVCacheStatus,
 )
+from cache_manager.cache_layout import CacheLayout
 from cache_manager.cache_spec import CacheSpec, key_prefix_from_version
 from cache_manager.ipc_signal import IPCSignal
 from ops.platform import Platform
@@ -47,7 +48,7 @@ class EngineResources:
     ``engine_worker_queue_port`` with the engine's random token, ``ipc_signal.ipc_suffix``, so that
     no other user can create the names first) and the current model version."""
 
-    def __init__(self, platform: Platform, spec: CacheSpec, tp: int, device_ids: Sequence[int],
+    def __init__(self, platform: Platform, spec: CacheSpec | CacheLayout, tp: int, device_ids: Sequence[int],
                  signal_suffix: int | str, model_id: str, model_version: str):
         self.platform = platform
         self.spec = spec

@@ -39,6 +39,7 @@ from cache_manager.cache_data import CacheStatus
 from cache_manager.layer_progress import LayerwiseRef
 from ops.procs import ProcessWatch, process_argv
 from ops.shm import SharedMemorySegment
+from cache_manager.rank.peer.tp_rules import tp_heads
 from transfer_factory.peer.handles import (BOARD_BYTES, BOARD_WORDS, DEFAULT_TTL_S, NO_GENERATION, ExposureBoard,
                                            TransferHandle)
 from transfer_factory.peer.heads import writers
@@ -118,9 +119,9 @@ class PrefillDecode:
             self._control("pd_unlink", peer=str(peer.get("instance_id")))
             raise RuntimeError(f"ranks chose different transports {answers}: unlinked")
         layout = peer["ranks"][0]["layout"]  # checked field by field by every rank
-        spec = self._svc.spec
+        heads, replicated, _ = tp_heads(self._svc.layout)
         peer_id = str(peer["instance_id"])
-        self._peer_writers[peer_id] = writers(self._svc.tp, spec.kv_heads, peer["tp"], layout["kv_heads"], spec.mla)
+        self._peer_writers[peer_id] = writers(self._svc.tp, heads, peer["tp"], layout["kv_heads"], replicated)
         self._watch_writers(peer_id, peer["ranks"] if answers[0] == "ipc" else [])
         self._links[peer_id] = answers[0]
         self._link_args[peer_id] = (peer, transport, offer)

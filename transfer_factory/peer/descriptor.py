@@ -35,7 +35,7 @@ class LayoutMismatch(ValueError):
 
 
 @dataclass(frozen=True)
-class CacheLayout:
+class PeerLayout:
     """The cache layout of one rank, as far as a peer needs it to read or write its blocks."""
 
     model_id: str
@@ -48,6 +48,9 @@ class CacheLayout:
     mla: bool
     num_blocks: int  # this rank's device blocks (a peer checks block ids against it)
     block_bytes: int  # bytes of one block of one layer, all kinds together
+    # The cache layout's groups (``cache_manager.cache_layout.TensorGroup.to_json``): a link checks
+    # them group by group and field by field (``check_groups``).
+    groups: tuple = ()
 
     # Compared at link time, in this order: the first that differs is named.  The kv heads per
     # rank and so the block bytes may differ with the TP size (checked per head instead).
@@ -60,7 +63,7 @@ class PeerDescriptor:
     role: str
     rank: int
     tp: int
-    layout: CacheLayout
+    layout: PeerLayout
     boot_id: str  # the host's kernel boot id: the same-host transport needs the same kernel
     transports: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> what a peer needs to use it
     # The generation of the engine's cache memory this descriptor describes (its exposure board's
@@ -106,13 +109,59 @@ class PeerDescriptor:
                    transports=transports, generation=d.get("generation", 0), pid=d.get("pid", 0))
 
 
+GROUP_FIELDS = {"name": str, "dtype": str, "block_shape": list, "layers": list, "kind": str, "tp": str, "window": int,
+                "compress": int, "tag": str}
+MAX_GROUPS, MAX_GROUP_LIST = 64, 4096
+
+
+def _groups(value: Any) -> tuple:
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_GROUPS:
+        raise ValueError(f"descriptor field layout.groups must be a list of at most {MAX_GROUPS} maps")
+    out = []
+    for i, g in enumerate(value):
+        if not isinstance(g, dict) or set(g) - set(GROUP_FIELDS) or "name" not in g:
+            raise ValueError(f"descriptor field layout.groups[{i}] must be a map of {sorted(GROUP_FIELDS)} with a name")
+        for key, item in g.items():
+            kind = GROUP_FIELDS[key]
+            if kind is str:
+                _text(f"layout.groups[{i}].{key}", item)
+            elif kind is int:
+                _count(f"layout.groups[{i}].{key}", item)
+            elif not isinstance(item, (list, tuple)) or len(item) > MAX_GROUP_LIST or \
+                    not all(type(x) is int and 0 <= x < 2**40 for x in item):
+                raise ValueError(f"descriptor field layout.groups[{i}].{key} must be a list of integers")
+        out.append({k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in g.items()})
+    return tuple(out)
+
+
+def check_groups(mine: PeerDescriptor, theirs: PeerDescriptor) -> None:
+    """Raise ``LayoutMismatch`` naming the first group and field in which the two layouts differ,
+    but for the kv heads a rank holds of a group split by heads (checked in all after this)."""
+    peer = {g["name"]: g for g in theirs.layout.groups}
+    for g in mine.layout.groups:
+        other = peer.pop(g["name"], None)
+        if other is None:
+            raise LayoutMismatch(f"cache group {g['name']!r}", "present", "absent")
+        for key in sorted(set(g) | set(other)):
+            a, b = g.get(key), other.get(key)
+            if key == "block_shape" and g.get("tp") == "split" and isinstance(a, list) and isinstance(b, list) \
+                    and a[1:] == b[1:]:
+                continue  # the heads per rank follow the TP size: "kv_heads x tp" checks them in all
+            if a != b:
+                raise LayoutMismatch(f"cache group {g['name']!r} {key}", a, b)
+    if peer:
+        raise LayoutMismatch(f"cache group {sorted(peer)[0]!r}", "absent", "present")
+
+
 def compatible_layouts(local: PeerDescriptor, peer: PeerDescriptor) -> None:
     """Raise ``LayoutMismatch`` naming the first field that keeps ``local`` and ``peer`` from
     exchanging blocks.  Instances of different TP sizes can, when they hold the same kv heads in
     all (MLA: the same latent on every rank) and a head takes the same bytes on both."""
     if local.instance_id == peer.instance_id:
         raise LayoutMismatch("instance_id", local.instance_id, peer.instance_id)
-    for name in CacheLayout.MUST_MATCH:
+    for name in PeerLayout.MUST_MATCH:
+        if name == "head_dim":  # the groups say what each tensor holds, the summary fields after them
+            check_groups(local, peer)
         mine, theirs = getattr(local.layout, name), getattr(peer.layout, name)
         if mine != theirs:
             raise LayoutMismatch(name, mine, theirs)
@@ -178,7 +227,7 @@ def choose_transport(local: PeerDescriptor, peer: PeerDescriptor, forced: str | 
     return usable_transports(local, peer, forced)[0]
 
 
-def _layout(d: dict) -> CacheLayout:
+def _layout(d: dict) -> PeerLayout:
     values = {}
     for name, kind in (("model_id", str), ("model_version", str), ("cache_dtype", str), ("block_size", int),
                        ("num_layers", int), ("kv_heads", int), ("head_dim", int), ("mla", bool),
@@ -191,7 +240,7 @@ def _layout(d: dict) -> CacheLayout:
         elif type(value) is not bool:
             raise ValueError(f"descriptor field layout.{name} {value!r:.80} must be a bool")
         values[name] = value
-    return CacheLayout(**values)
+    return PeerLayout(**values, groups=_groups(d.get("groups", [])))
 
 
 def _text(name: str, value: Any, empty: bool = False) -> str:

@@ -101,7 +101,7 @@ class IpcPeer:
     """A peer rank's caches and its engine's boards, mapped into this process: read-only for a
     link that only pulls, writable for one that pushes (``writable``)."""
 
-    def __init__(self, params: Any, kind_block_bytes: dict[str, int], num_layers: int, peer_name: str,
+    def __init__(self, params: Any, kind_block_bytes: dict[str, int], layer_counts: dict[str, int], peer_name: str,
                  layer_board_bytes: int, writable: bool = False):
         if not isinstance(params, dict) or not isinstance(params.get("regions"), list):
             raise ValueError(f"{peer_name}: ipc parameters must hold a list of regions")
@@ -118,7 +118,7 @@ class IpcPeer:
         self._board: np.ndarray | None = None
         self.layer_board: np.ndarray | None = None  # the peer engine's layer board, for a push
         try:
-            self._sides = self._plan(regions, kind_block_bytes, num_layers, writable)
+            self._sides = self._plan(regions, kind_block_bytes, layer_counts, writable)
             self._board = self._words(board, BOARD_BYTES, writable=False).view(np.int64)
             self.layer_board = self._words(layer_board, layer_board_bytes, writable).view(np.int64) if writable else None
             self._engine = ProcessWatch(pid)
@@ -142,7 +142,7 @@ class IpcPeer:
                                   f"inside segment {region.segment} of {m.size}")
         return m.array[region.offset:region.offset + nbytes]
 
-    def _plan(self, regions: list[Region], kind_block_bytes: dict[str, int], num_layers: int,
+    def _plan(self, regions: list[Region], kind_block_bytes: dict[str, int], layer_counts: dict[str, int],
               writable: bool) -> dict[str, Side]:
         by_kind: dict[str, dict[int, Region]] = {}
         for r in regions:
@@ -152,6 +152,7 @@ class IpcPeer:
                                   f"this rank has {sorted(kind_block_bytes)}")
         sides = {}
         for kind, layers in by_kind.items():
+            num_layers = layer_counts[kind]  # the group's layer tensors
             if sorted(layers) != list(range(num_layers)):
                 raise PeerUnavailable(f"{self.peer_name}: exports layers {sorted(layers)} of {kind}, want 0..{num_layers - 1}")
             stride = kind_block_bytes[kind]

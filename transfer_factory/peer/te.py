@@ -43,6 +43,19 @@ def valid_batch(batch: object) -> bool:
     return isinstance(batch, int) and 0 < batch < 2**64 - 1
 
 
+
+def _settled_listeners(before: set) -> set:
+    """The sockets the engine opened: Mooncake starts some of its listeners on its own threads a
+    moment after ``initialize`` returns, so the set is read until it stops changing (at most 1 s)."""
+    opened, deadline = listening_sockets() - before, time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = listening_sockets() - before
+        if now == opened and len(now) >= 2:  # its RPC (handshake) port and its data port
+            break
+        opened = now
+    return opened
+
 class PeerTransferError(RuntimeError):
     """A transfer to or from a peer failed; the message names the peer."""
 
@@ -199,7 +212,7 @@ class TransferEngineEndpoint:
                                             f"({self.protocol}): return code {rc}, {OPEN_ATTEMPTS} times")
                 self._engine = engine
                 self.address = f"{self.hostname}:{engine.get_rpc_port()}"
-                opened = sorted(listening_sockets() - before, key=lambda s: s[1])
+                opened = sorted(_settled_listeners(before), key=lambda s: s[1])
                 self.ports = [port for _, port in opened]
                 self._log.warning("Transfer Engine open: peers reach it at %s (%s); it listens on %s, with no "
                                   "authentication: keep them on a private fabric", self.address, self.protocol,

@@ -24,7 +24,9 @@ from transfer_factory.peer.heads import HeadSpan
 from transfer_factory.peer.ipc import Region
 from transfer_factory.peer.te import Inflight
 
-Sides = list[tuple[str, Side]]  # per cache kind, this rank's side of a transfer (device blocks or swap slots)
+# Per cache group: its kind, this rank's side of a transfer (device blocks or swap slots) and the rows of
+# that side (indices of the group's per-layer tensors) the transfer's model layers cover.
+Sides = list[tuple[str, Side, range]]
 
 
 class PeerError(RuntimeError):

@@ -26,13 +26,15 @@ class DataDistChannel(PeerChannel):
     name = "datadist"
 
     def __init__(self, rank: int, tp: int, role: str, platform: Platform, ip: str, resources: RankResources,
-                 cache_dtype: str, kinds: Any, log: logging.Logger):
+                 cache_dtype: str | None, kinds: Any, log: logging.Logger):
+        """``cache_dtype``: FastDeploy's; None for a grouped cache layout, which LLM-DataDist's whole-block
+        caches of one shape per kind and every layer cannot describe (not offered then)."""
         self._resources, self._cache_dtype, self._kinds = resources, cache_dtype, kinds
         self.datadist = RankDataDist(rank, tp, role, platform, ip, log)  # opened when offered
         self._opened_for: tuple | None = None  # (instance, memory generation, board file) of the endpoint
 
     def describe(self, boards: Boards) -> dict | None:
-        if not self.datadist.capable():
+        if self._cache_dtype is None or not self.datadist.capable():
             return None
         key = (boards.instance_id, self._resources.memory_generation, segment_identity(boards.board.segment))
         if self._opened_for is not None and key != self._opened_for:

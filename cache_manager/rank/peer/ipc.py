@@ -35,12 +35,12 @@ class IpcChannel(PeerChannel):
         if not self._platform.exports_device_memory:
             return None
         regions = [Region(g.kind, layer, *self._platform.exported_region(t))
-                   for g in self._resources.groups for layer, t in enumerate(g.tensors)]
+                   for g in self._resources.block_groups() for layer, t in enumerate(g.tensors)]
         return ipc_params(regions, boards.board, boards.layer_board, boards.engine_pid)
 
     def open(self, peer: PeerDescriptor, kinds: dict[str, int], name: str) -> IpcPeer:
         # A decode instance only reads its peers; others may push into theirs.
-        return IpcPeer(peer.transports["ipc"], kinds, self._resources.num_layers, name,
+        return IpcPeer(peer.transports["ipc"], kinds, self._resources.layer_counts(), name,
                        layer_board_bytes=8 * SLOTS * board_shape(peer.tp)[1], writable=self._role != "decode")
 
     def close_link(self, link: PeerLink) -> None:
@@ -53,17 +53,19 @@ class IpcChannel(PeerChannel):
         kernel checks both sides' ids against their capacities."""
         dst_ids, src_ids = (local_ids, remote_ids) if pull else (remote_ids, local_ids)
         moved = 0
-        for kind, local in sides:
+        for kind, local, rows in sides:
+            if not len(rows):
+                continue
             plans: dict[int, list[CopyPlan]] = {}  # head-range bytes -> one plan per route
             for route in routes:
                 peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
                 mine, theirs = _shift(local, local_off), _shift(route.peer.state.side(kind), peer_off)
                 dst, src = (mine, theirs) if pull else (theirs, mine)
-                plans.setdefault(nbytes, []).append(layer_range(CopyPlan(dst, src, nbytes, None), layers.start,
-                                                                layers.stop))
+                plans.setdefault(nbytes, []).append(layer_range(CopyPlan(dst, src, nbytes, None), rows.start,
+                                                                rows.stop))
             for nbytes, parts in plans.items():
                 self._platform.run_plan(_concat(parts), dst_ids, src_ids, HOST_TO_DEVICE)
-                moved += len(dst_ids) * nbytes * len(layers) * len(parts)
+                moved += len(dst_ids) * nbytes * len(rows) * len(parts)
         return moved, None
 
     def board_word(self, peer: PeerLink, index: int, deadline: float) -> int:

@@ -30,12 +30,13 @@ from ops.layout import describe_caches
 from ops.platform import Platform
 from transfer_factory.peer import PeerDescriptor, compatible_layouts, usable_transports
 from transfer_factory.peer.ipc import PeerUnavailable
-from transfer_factory.peer.descriptor import TRANSPORTS, CacheLayout
+from transfer_factory.peer.descriptor import TRANSPORTS, PeerLayout
 from transfer_factory.peer.handles import NO_GENERATION
 from transfer_factory.peer.heads import reader_spans, writer_spans
 from transfer_factory.peer.ipc import Region
 
-from cache_manager.cache_spec import CacheSpec
+from cache_manager.cache_layout import CacheLayout
+from cache_manager.rank.peer.tp_rules import refuse_layout, tp_heads
 from cache_manager.queue.clocks import boot_id
 from cache_manager.rank.peer.channel import Boards, InstanceLink, PeerChannel, PeerError, PeerLink, Route
 from cache_manager.rank.peer.datadist import DataDistChannel
@@ -48,15 +49,17 @@ FIRST_CONTACT_S = 5.0  # how long a link waits for a peer rank it must reach (th
 
 
 class PeerLinks:
-    def __init__(self, rank: int, tp: int, role: str, spec: CacheSpec, resources: RankResources,
+    def __init__(self, rank: int, tp: int, role: str, layout: CacheLayout, resources: RankResources,
                  platform: Platform, te_hostname: str, log: logging.Logger):
         self._rank, self._tp, self._role = rank, tp, role
-        self._spec = spec
+        self._cache_layout = layout
+        self._heads = tp_heads(layout)  # (kv heads per rank, replicated, the group a TP change would break)
         self._resources = resources
         self._log = log
         channels: list[PeerChannel] = [
             IpcChannel(resources, platform, role),
-            DataDistChannel(rank, tp, role, platform, te_hostname, resources, spec.cache_dtype, self._kinds, log),
+            DataDistChannel(rank, tp, role, platform, te_hostname, resources,
+                            layout.legacy["cache_dtype"] if layout.legacy else None, self._kinds, log),
             TransferEngineChannel(resources, te_hostname, log),
         ]
         self._channels = {channel.name: channel for channel in channels}  # one per name in TRANSPORTS
@@ -68,15 +71,19 @@ class PeerLinks:
     # ------------------------------------------------------------------ describe
     def _kinds(self) -> dict[str, int]:
         """Per cache kind, the bytes of one block of one layer."""
-        return {g.kind: describe_caches(g.tensors)[1] for g in self._resources.groups}
+        return {g.kind: describe_caches(g.tensors)[1] for g in self._resources.block_groups()}
 
-    def _layout(self) -> CacheLayout:
+    def _layout(self) -> PeerLayout:
         ns = self._resources.namespace()
-        spec = self._spec
-        return CacheLayout(model_id=ns.model_id, model_version=ns.model_version, cache_dtype=spec.cache_dtype,
-                           block_size=spec.block_size, num_layers=self._resources.num_layers, kv_heads=spec.kv_heads,
-                           head_dim=spec.head_dim, mla=spec.mla, num_blocks=spec.num_blocks,
-                           block_bytes=sum(self._kinds().values()))
+        layout = self._cache_layout
+        heads, replicated, _ = self._heads
+        first = (layout.block_groups() or layout.groups)[0]
+        return PeerLayout(model_id=ns.model_id, model_version=ns.model_version,
+                          cache_dtype=layout.legacy["cache_dtype"] if layout.legacy else ns.cache_dtype,
+                          block_size=layout.block_size, num_layers=self._resources.num_layers, kv_heads=heads,
+                          head_dim=first.block_shape[-1], mla=replicated, num_blocks=layout.num_blocks,
+                          block_bytes=sum(self._kinds().values()),
+                          groups=tuple(g.to_json() for g in layout.groups))
 
     def describe(self, args: dict) -> dict:
         """This rank's descriptor.  ``args``: ``instance_id``, ``board`` and ``layer_board``
@@ -118,6 +125,7 @@ class PeerLinks:
             if peer.generation == NO_GENERATION or peer.generation != peers[0].generation:
                 raise ValueError(f"peer descriptor {index} names no generation of its engine's caches "
                                  f"({peer.generation}): describe the peer again once its caches are attached")
+        refuse_layout(self._cache_layout, self._heads, self._tp, len(peers))
         mine, theirs = local.layout, peers[0].layout
         args = (self._rank, self._tp, mine.kv_heads, len(peers), theirs.kv_heads, mine.mla)
         pulls, pushes = reader_spans(*args), writer_spans(*args)

@@ -31,14 +31,15 @@ from cache_manager.rank.resources import RankResources
 class TePeer:
     """A peer rank's memory as its Transfer Engine offers it."""
 
-    def __init__(self, params: dict, kinds: dict[str, int], num_layers: int, name: str):
+    def __init__(self, params: dict, kinds: dict[str, int], layer_counts: dict[str, int], name: str):
+        """``kinds``: per cache group, its bytes per block; ``layer_counts``: its layer tensors."""
         self.address = str(params["address"])
         bases: dict[str, list[int]] = {}
         capacity = None
         for kind, layer, ptr, nbytes in params["regions"]:
-            if kind not in kinds or not 0 <= layer < num_layers or nbytes % kinds[kind]:
+            if kind not in kinds or not 0 <= layer < layer_counts[kind] or nbytes % kinds[kind]:
                 raise PeerError(f"{name}: Transfer Engine region {kind!r} layer {layer} does not fit this layout")
-            bases.setdefault(kind, [0] * num_layers)[layer] = int(ptr)
+            bases.setdefault(kind, [0] * layer_counts[kind])[layer] = int(ptr)
             capacity = nbytes // kinds[kind] if capacity is None else min(capacity, nbytes // kinds[kind])
         if set(bases) != set(kinds) or any(0 in v for v in bases.values()):
             raise PeerError(f"{name}: Transfer Engine regions do not cover every kind and layer")
@@ -83,12 +84,12 @@ class TransferEngineChannel(PeerChannel):
             self._boards = mapped
             board, layer_board = (_address(segment) for segment in mapped.values())
             regions = [[g.kind, layer, int(t.data_ptr()), int(np.prod(t.shape)) * t.element_size()]
-                       for g in self._resources.groups for layer, t in enumerate(g.tensors)]
+                       for g in self._resources.block_groups() for layer, t in enumerate(g.tensors)]
         return {"address": address, "regions": regions, "board": board, "layer_board": layer_board}
 
     def _sync_memory(self) -> None:
         wanted = {}
-        for g in self._resources.groups:
+        for g in self._resources.block_groups():
             for t in g.tensors:
                 wanted[int(t.data_ptr())] = int(np.prod(t.shape)) * t.element_size()
             for ptr in g.host_ptrs:
@@ -113,7 +114,7 @@ class TransferEngineChannel(PeerChannel):
 
     # ------------------------------------------------------------------ links and transfers
     def open(self, peer: PeerDescriptor, kinds: dict[str, int], name: str) -> TePeer:
-        state = TePeer(peer.transports["mooncake"], kinds, self._resources.num_layers, name)
+        state = TePeer(peer.transports["mooncake"], kinds, self._resources.layer_counts(), name)
         if not self.te.is_open:
             raise PeerError(f"{name}: this rank's Transfer Engine is not open (describe with mooncake first)")
         return state
@@ -135,7 +136,7 @@ class TransferEngineChannel(PeerChannel):
              remote_ids: list[int], layers: range, placement: str, deadline: float) -> tuple[int, Inflight | None]:
         """One transfer with the routes' peer ranks, all at once, of each route's head range of
         every kind's ``layers``, adjacent ranges coalesced."""
-        for _, local in sides:
+        for _, local, _rows in sides:
             _check_ids(local_ids, int(local.capacities.min()), "destination" if pull else "source")
         jobs = []
         for route in routes:
@@ -144,11 +145,11 @@ class TransferEngineChannel(PeerChannel):
             local_addrs: list[int] = []
             remote_addrs: list[int] = []
             lengths: list[int] = []
-            for kind, local in sides:
+            for kind, local, rows in sides:
                 peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
-                runs = coalesce(block_addresses(local.bases + local_off, local.stride, local_ids, layers),
+                runs = coalesce(block_addresses(local.bases + local_off, local.stride, local_ids, rows),
                                 block_addresses(peer.bases[kind] + peer_off, route.peer.kind_bytes[kind], remote_ids,
-                                                layers), nbytes)
+                                                rows), nbytes)
                 local_addrs += runs[0]
                 remote_addrs += runs[1]
                 lengths += runs[2]

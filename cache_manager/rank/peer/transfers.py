@@ -66,7 +66,8 @@ class PeerTransfers:
             raise ValueError(f"pull layers [{layers.start}, {layers.stop}) past this model's {self._resources.num_layers}")
         if not self._still_exposed(link, handle, deadline, "before the pull"):
             raise PeerError(f"{link.name}: handle of request {handle.req_id!r} is no longer exposed")
-        sides = [(g.kind, self._local_side(g, task.placement)) for g in self._resources.groups]
+        sides = [(g.kind, self._local_side(g, task.placement), self._resources.rows(g, layers))
+                 for g in self._resources.block_groups()]
         moved, inflight = link.channel.move(link, link.pull_routes, sides, True, task.dst_block_ids,
                                             task.src_block_ids, layers, task.placement, deadline)
         if inflight is not None:  # bytes may still land in the destination: fail now, release later
@@ -92,7 +93,7 @@ class PeerTransfers:
             raise PeerError(f"{link.name}: linked read-only (this instance is a decode instance)")
         if not link.push_routes:  # MLA onto fewer decode ranks: another prefill rank writes their latent
             return Outcome(value=list(task.dst_block_ids))
-        sides = [(g.kind, self._local_side(g, "device")) for g in self._resources.groups]
+        groups = self._resources.block_groups()
         moved = 0
         try:
             self._publish(link, task, 0, deadline)  # started: a cancel from now on waits for this rank
@@ -107,6 +108,7 @@ class PeerTransfers:
                 if layerwise:
                     compute.wait_computed(step.stop, deadline, stop)
                     self._check_ticket(link, task, deadline)  # cancelled or closed meanwhile: stop
+                sides = [(g.kind, self._local_side(g, "device"), self._resources.rows(g, step)) for g in groups]
                 written, inflight = link.channel.move(link, link.push_routes, sides, False, task.src_block_ids,
                                                       task.dst_block_ids, step, "device", deadline)
                 moved += written

@@ -158,7 +158,7 @@ def test_io_threads_run_niced_and_a_staged_round_trip_stays_bit_exact(master):
     platform = CpuPlatform(instance=f"nice{os.getpid()}-{time.monotonic_ns()}")
     shape, layers = [128, 2, 4, 8], 2
     groups = [(kind, [platform.empty(shape, "bfloat16") for _ in range(layers)])
-              for kind in ("key_caches", "value_caches")]
+              for kind in ("k", "v")]  # storage tags
     raw = {(kind, i): platform.raw_view(t) for kind, ts in groups for i, t in enumerate(ts)}
     rng = np.random.default_rng(21)
     for view in raw.values():

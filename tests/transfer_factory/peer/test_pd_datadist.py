@@ -222,9 +222,9 @@ def test_open_refuses_a_cache_llm_datadist_cannot_register(env, monkeypatch):
 
 
 def test_the_transport_is_chosen_by_capability_and_datadist_never_links_different_tp_sizes():
-    from transfer_factory.peer.descriptor import CacheLayout, PeerDescriptor, choose_transport
+    from transfer_factory.peer.descriptor import PeerLayout, PeerDescriptor, choose_transport
 
-    layout = CacheLayout("m", "", "bfloat16", 4, 2, 2, 8, False, 16, 256)
+    layout = PeerLayout("m", "", "bfloat16", 4, 2, 2, 8, False, 16, 256)
 
     def rank(instance, tp, transports, boot="b1"):
         return PeerDescriptor(instance, "mixed", 0, tp, layout, boot, {t: {} for t in transports})

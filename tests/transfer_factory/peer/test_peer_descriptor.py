@@ -8,9 +8,9 @@ import pytest
 
 from cache_manager.queue import wire
 from transfer_factory.peer import LayoutMismatch, PeerDescriptor, choose_transport, compatible_layouts
-from transfer_factory.peer.descriptor import CacheLayout
+from transfer_factory.peer.descriptor import PeerLayout
 
-LAYOUT = CacheLayout(model_id="qwen", model_version="RL-STEP3", cache_dtype="bfloat16", block_size=64,
+LAYOUT = PeerLayout(model_id="qwen", model_version="RL-STEP3", cache_dtype="bfloat16", block_size=64,
                      num_layers=4, kv_heads=2, head_dim=128, mla=False, num_blocks=32, block_bytes=65536)
 
 

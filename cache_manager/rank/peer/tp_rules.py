@@ -1,0 +1,50 @@
+"""How a cache layout's groups spread over TP ranks, and which P/D links between TP sizes they allow.
+
+A group's TP rule (``cache_manager.cache_layout.TensorGroup.tp``) decides:
+
+- ``split``: dimension 0 of its block is kv heads, each rank holds its share; ranks of different
+  TP sizes exchange head ranges (``transfer_factory.peer.heads``);
+- ``replicated``: every rank holds all of it (MLA's latent and rope, a DSA indexer); a reader of
+  another TP size reads one rank's copy;
+- ``unsplittable``: only ranks of the same TP size exchange it.
+
+One link moves every block group over the same head spans, so a layout's block groups must agree:
+all split with one head count, or all replicated.  A layout with a state group (one slot per
+request, not per block) is refused over P/D: its slots are not addressed by the block ids a pull
+or push carries.
+"""
+from __future__ import annotations
+
+from cache_manager.cache_layout import CacheLayout
+
+
+def tp_heads(layout: CacheLayout) -> tuple[int, bool, str | None]:
+    """(kv heads per rank, replicated, the first group that keeps ranks of different TP sizes from
+    exchanging blocks, or None)."""
+    groups = layout.block_groups()
+    if not groups:
+        return 1, True, None
+    rules = {g.tp for g in groups}
+    if rules == {"replicated"}:
+        return groups[0].block_shape[0], True, None
+    if rules == {"split"}:
+        heads = {g.block_shape[0] for g in groups}
+        if len(heads) == 1:
+            return groups[0].block_shape[0], False, None
+        odd = next(g for g in groups if g.block_shape[0] != groups[0].block_shape[0])
+        return 1, False, f"{odd.name!r} ({odd.block_shape[0]} kv heads per rank, {groups[0].name!r} has " \
+                         f"{groups[0].block_shape[0]}): its heads split differently"
+    odd = next((g for g in groups if g.tp == "unsplittable"), None) or \
+        next(g for g in groups if g.tp != groups[0].tp)
+    return 1, False, f"{odd.name!r} (TP rule {odd.tp}, {groups[0].name!r} has {groups[0].tp})"
+
+
+def refuse_layout(layout: CacheLayout, heads: tuple[int, bool, str | None], tp: int, peer_tp: int) -> None:
+    """Raise ``ValueError`` naming the group and its rule when this layout cannot be linked to an
+    instance of TP size ``peer_tp`` (this one's is ``tp``)."""
+    state = [g for g in layout.groups if g.per_request]
+    if state:
+        raise ValueError(f"cannot link: cache group {state[0].name!r} is a state group (one slot per request, "
+                         f"TP rule {state[0].tp}); prefill/decode transfers move blocks, not request slots")
+    if tp != peer_tp and heads[2] is not None:
+        raise ValueError(f"cannot link TP {tp} to TP {peer_tp}: cache group {heads[2]}")

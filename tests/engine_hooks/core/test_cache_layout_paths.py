@@ -1,0 +1,138 @@
+"""Every preset of the 2026 models' cache layouts (``cache_manager.cache_presets``) through the
+paths a block takes, with real CTMs at TP 2, bit-exact on every tensor of every layer of every group:
+a swap out and in, a layer-wise swap in, a storage write and read on the file store, and a P/D
+pull and layer-wise push over both transports.  A state group is never touched by a block task,
+and a P/D link of a layout with one is refused naming it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cache_manager.cache_presets import preset
+from transfer_factory.keys import chain_hash_ids
+from tests.pd_helpers import link_both, local_instance
+from tests.service_helpers import fill_distinct, start_service, views
+
+TP = 2
+BLOCKS = 16
+LAYERS = 4  # the pattern's first layers (deepseek-v4: both compressions, qwen3-next: one full layer)
+SCALE = 8  # hidden dimensions / 8: a few MiB per instance
+PRESETS = ["deepseek-v3", "glm-5", "deepseek-v4", "gpt-oss", "qwen3-next", "qwen3-235b"]
+BLOCK_PRESETS = [p for p in PRESETS if p != "qwen3-next"]  # no state group
+
+
+def layout(name: str, tp: int = TP):
+    return preset(name, num_blocks=BLOCKS, layers=LAYERS, dim_scale=SCALE, tp=tp)
+
+
+def state_keys(svc) -> set:
+    state = {g.name for g in svc.layout.groups if g.per_request}
+    return {k for k in views(svc) if k[1] in state}
+
+
+def blocks(svc, ids: list[int], skip: set = frozenset()) -> dict:
+    """(rank, group, i) -> a copy of blocks ``ids`` of that tensor."""
+    return {k: v[ids].copy() for k, v in views(svc).items() if k not in skip}
+
+
+def same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys() and got
+    for key in got:
+        assert np.array_equal(got[key], want[key]), f"{key} differs"
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_each_preset_swaps_loads_layer_by_layer_and_stores_bit_exact(name, tmp_path):
+    svc = start_service(layout(name), tp=TP, num_cpu_blocks=8, storage_backend="file",
+                        storage_options={"root": str(tmp_path), "fsync": False})
+    try:
+        fill_distinct(svc, seed=5)
+        state = state_keys(svc)
+        assert bool(state) == (name == "qwen3-next")
+        kept_state = {k: views(svc)[k].copy() for k in state}
+        want = blocks(svc, [1, 2, 3], state)
+
+        assert svc.swap_to_cpu([1, 2, 3], [0, 4, 7]).result(timeout=30)
+        assert svc.swap_to_gpu([9, 10, 11], [0, 4, 7]).result(timeout=30)
+        same(blocks(svc, [9, 10, 11], state), want)
+
+        future = svc.swap_to_gpu([12, 13, 14], [0, 4, 7], layerwise=True)
+        for layer in range(svc.layout.total_layers):
+            future.wait_for_layer(layer, timeout=20)
+        assert future.result(timeout=20)
+        same(blocks(svc, [12, 13, 14], state), want)
+
+        keys = chain_hash_ids([f"{name}-{i}" for i in range(3)])
+        assert svc.write_storage(keys, [1, 2, 3]).result(timeout=30) == [1, 2, 3]
+        assert svc.read_storage(keys, [4, 5, 6]).result(timeout=30) == [4, 5, 6]
+        same(blocks(svc, [4, 5, 6], state), want)
+        for key, before in kept_state.items():  # a state group is addressed by slot: block tasks leave it
+            assert np.array_equal(views(svc)[key], before), key
+    finally:
+        svc.shutdown()
+
+
+@pytest.mark.parametrize("name", BLOCK_PRESETS)
+def test_each_preset_pulls_and_pushes_bit_exact_over_both_transports(name):
+    with local_instance(layout(name), "prefill-0", tp=TP, num_cpu_blocks=4) as (p_svc, p), \
+            local_instance(layout(name), "decode-0", tp=TP, num_cpu_blocks=4) as (d_svc, d):
+        fill_distinct(p_svc, seed=7)
+        fill_distinct(d_svc, seed=8)
+        for transport in ("ipc", "mooncake"):
+            link_both(p, d, transport)
+            handle = p.expose(f"req-{transport}")
+            src, dst = [3, 4, 5], [10, 2, 7]
+            assert d.pull_blocks("prefill-0", handle, src, dst).result(timeout=30) == dst, transport
+            same(blocks(d_svc, dst), blocks(p_svc, src))
+            p.retract(handle)
+
+            src, dst = [11, 12], [0, 15]
+            target = d.receive_push("prefill-0", dst, timeout=30)
+            future = p.push_blocks("decode-0", target.ticket, src, layerwise=True, timeout=30)
+            for layer in range(p_svc.layout.total_layers):
+                future.layer_computed(layer + 1)
+                target.wait_for_layer(layer, timeout=20)
+            assert target.result(timeout=20) == dst and future.result(timeout=20) == dst
+            same(blocks(d_svc, dst), blocks(p_svc, src))
+            assert target.close()
+            assert p.unlink("decode-0") and d.unlink("prefill-0")
+
+
+@pytest.mark.parametrize("name,p_tp,d_tp", [("glm-5", 2, 1), ("deepseek-v4", 1, 2)])
+def test_replicated_groups_are_read_from_one_rank_across_tp_sizes(name, p_tp, d_tp):
+    with local_instance(layout(name, p_tp), "prefill-0", tp=p_tp, num_cpu_blocks=4) as (p_svc, p), \
+            local_instance(layout(name, d_tp), "decode-0", tp=d_tp, num_cpu_blocks=4) as (d_svc, d):
+        fill_distinct(p_svc, seed=9)
+        link_both(p, d, "ipc")
+        handle = p.expose("req")
+        assert d.pull_blocks("prefill-0", handle, [1, 2], [5, 6]).result(timeout=30) == [5, 6]
+        src = blocks(p_svc, [1, 2])
+        for (rank, group, i), got in blocks(d_svc, [5, 6]).items():
+            # every decode rank holds the whole replicated block; prefill rank 0's copy is the model's
+            assert np.array_equal(got, src[(0, group, i)]), (rank, group, i)
+
+
+def test_a_split_layout_links_across_tp_sizes_by_heads_and_a_state_layout_is_refused_naming_its_group():
+    with local_instance(layout("qwen3-235b", 1), "prefill-0", tp=1, num_cpu_blocks=4) as (p_svc, p), \
+            local_instance(layout("qwen3-235b", 2), "decode-0", tp=2, num_cpu_blocks=4) as (d_svc, d):
+        fill_distinct(p_svc, seed=10)
+        link_both(p, d, "ipc")
+        handle = p.expose("req")
+        assert d.pull_blocks("prefill-0", handle, [3], [4]).result(timeout=30) == [4]
+        for (rank, group, i), got in blocks(d_svc, [4]).items():
+            whole = views(p_svc)[(0, group, i)][[3]]  # [1, 4 heads, B, D] as bytes
+            heads = whole.reshape(1, 4, -1)[:, rank * 2:(rank + 1) * 2].reshape(got.shape)
+            assert np.array_equal(got, heads), (rank, group, i)
+
+    with local_instance(layout("qwen3-next"), "prefill-0", tp=TP, num_cpu_blocks=4) as (_, p), \
+            local_instance(layout("qwen3-next"), "decode-0", tp=TP, num_cpu_blocks=4) as (_, d):
+        with pytest.raises(Exception, match="cache group 'conv_state' is a state group"):
+            d.link(p.descriptor(["ipc"]), transport="ipc")
+
+
+def test_a_layout_mismatch_at_link_names_the_group_and_field():
+    other = preset("glm-5", num_blocks=BLOCKS, layers=LAYERS, dim_scale=16, tp=TP)  # a smaller indexer and latent
+    with local_instance(layout("glm-5"), "prefill-0", tp=TP, num_cpu_blocks=4) as (_, p), \
+            local_instance(other, "decode-0", tp=TP, num_cpu_blocks=4) as (_, d):
+        with pytest.raises(Exception, match="cache group 'latent_caches' block_shape differs"):
+            d.link(p.descriptor(["ipc"]), transport="ipc")
