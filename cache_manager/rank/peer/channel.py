@@ -24,9 +24,20 @@ from transfer_factory.peer.heads import HeadSpan
 from transfer_factory.peer.ipc import Region
 from transfer_factory.peer.te import Inflight
 
-# Per cache group: its kind, this rank's side of a transfer (device blocks or swap slots) and the rows of
-# that side (indices of the group's per-layer tensors) the transfer's model layers cover.
-Sides = list[tuple[str, Side, range]]
+@dataclass(frozen=True)
+class GroupSide:
+    """One cache group's part of a transfer: this rank's side (device blocks or swap slots), the
+    rows of it (indices of the group's per-layer tensors) the transfer's model layers cover, and
+    the first of the transfer's blocks the group moves (a sliding-window group moves only the
+    blocks inside its window: the last ones of the request)."""
+
+    kind: str
+    side: Side
+    rows: range
+    first: int = 0
+
+
+Sides = list[GroupSide]
 
 
 class PeerError(RuntimeError):

@@ -53,19 +53,21 @@ class IpcChannel(PeerChannel):
         kernel checks both sides' ids against their capacities."""
         dst_ids, src_ids = (local_ids, remote_ids) if pull else (remote_ids, local_ids)
         moved = 0
-        for kind, local, rows in sides:
-            if not len(rows):
+        for group in sides:
+            kind, rows = group.kind, group.rows
+            if not len(rows) or group.first >= len(dst_ids):
                 continue
             plans: dict[int, list[CopyPlan]] = {}  # head-range bytes -> one plan per route
             for route in routes:
                 peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
-                mine, theirs = _shift(local, local_off), _shift(route.peer.state.side(kind), peer_off)
+                mine, theirs = _shift(group.side, local_off), _shift(route.peer.state.side(kind), peer_off)
                 dst, src = (mine, theirs) if pull else (theirs, mine)
                 plans.setdefault(nbytes, []).append(layer_range(CopyPlan(dst, src, nbytes, None), rows.start,
                                                                 rows.stop))
+            dst, src = dst_ids[group.first:], src_ids[group.first:]
             for nbytes, parts in plans.items():
-                self._platform.run_plan(_concat(parts), dst_ids, src_ids, HOST_TO_DEVICE)
-                moved += len(dst_ids) * nbytes * len(rows) * len(parts)
+                self._platform.run_plan(_concat(parts), dst, src, HOST_TO_DEVICE)
+                moved += len(dst) * nbytes * len(rows) * len(parts)
         return moved, None
 
     def board_word(self, peer: PeerLink, index: int, deadline: float) -> int:

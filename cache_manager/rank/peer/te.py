@@ -136,8 +136,8 @@ class TransferEngineChannel(PeerChannel):
              remote_ids: list[int], layers: range, placement: str, deadline: float) -> tuple[int, Inflight | None]:
         """One transfer with the routes' peer ranks, all at once, of each route's head range of
         every kind's ``layers``, adjacent ranges coalesced."""
-        for _, local, _rows in sides:
-            _check_ids(local_ids, int(local.capacities.min()), "destination" if pull else "source")
+        for group in sides:
+            _check_ids(local_ids, int(group.side.capacities.min()), "destination" if pull else "source")
         jobs = []
         for route in routes:
             peer: TePeer = route.peer.state
@@ -145,11 +145,12 @@ class TransferEngineChannel(PeerChannel):
             local_addrs: list[int] = []
             remote_addrs: list[int] = []
             lengths: list[int] = []
-            for kind, local, rows in sides:
+            for group in sides:
+                kind, local, rows, first = group.kind, group.side, group.rows, group.first
                 peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
-                runs = coalesce(block_addresses(local.bases + local_off, local.stride, local_ids, rows),
-                                block_addresses(peer.bases[kind] + peer_off, route.peer.kind_bytes[kind], remote_ids,
-                                                rows), nbytes)
+                runs = coalesce(block_addresses(local.bases + local_off, local.stride, local_ids[first:], rows),
+                                block_addresses(peer.bases[kind] + peer_off, route.peer.kind_bytes[kind],
+                                                remote_ids[first:], rows), nbytes)
                 local_addrs += runs[0]
                 remote_addrs += runs[1]
                 lengths += runs[2]

@@ -35,7 +35,7 @@ from transfer_factory.peer.handles import GENERATION_WORD, NO_GENERATION, Transf
 from cache_manager.cache_tasks import Outcome, PullTask, PushTask
 from cache_manager.layer_progress import (FAILED, FENCED, LayerPublisher, pack, pushed_index, reservation_word,
                                           ticket_index)
-from cache_manager.rank.peer.channel import InstanceLink, PeerError
+from cache_manager.rank.peer.channel import GroupSide, InstanceLink, PeerError
 from cache_manager.rank.peer.late import LateBatches
 from cache_manager.rank.peer.links import PeerLinks
 from cache_manager.rank.resources import RankResources
@@ -66,8 +66,7 @@ class PeerTransfers:
             raise ValueError(f"pull layers [{layers.start}, {layers.stop}) past this model's {self._resources.num_layers}")
         if not self._still_exposed(link, handle, deadline, "before the pull"):
             raise PeerError(f"{link.name}: handle of request {handle.req_id!r} is no longer exposed")
-        sides = [(g.kind, self._local_side(g, task.placement), self._resources.rows(g, layers))
-                 for g in self._resources.block_groups()]
+        sides = self._sides(task.placement, layers, len(task.dst_block_ids))
         moved, inflight = link.channel.move(link, link.pull_routes, sides, True, task.dst_block_ids,
                                             task.src_block_ids, layers, task.placement, deadline)
         if inflight is not None:  # bytes may still land in the destination: fail now, release later
@@ -93,7 +92,6 @@ class PeerTransfers:
             raise PeerError(f"{link.name}: linked read-only (this instance is a decode instance)")
         if not link.push_routes:  # MLA onto fewer decode ranks: another prefill rank writes their latent
             return Outcome(value=list(task.dst_block_ids))
-        groups = self._resources.block_groups()
         moved = 0
         try:
             self._publish(link, task, 0, deadline)  # started: a cancel from now on waits for this rank
@@ -108,7 +106,7 @@ class PeerTransfers:
                 if layerwise:
                     compute.wait_computed(step.stop, deadline, stop)
                     self._check_ticket(link, task, deadline)  # cancelled or closed meanwhile: stop
-                sides = [(g.kind, self._local_side(g, "device"), self._resources.rows(g, step)) for g in groups]
+                sides = self._sides("device", step, len(task.dst_block_ids))
                 written, inflight = link.channel.move(link, link.push_routes, sides, False, task.src_block_ids,
                                                       task.dst_block_ids, step, "device", deadline)
                 moved += written
@@ -176,6 +174,17 @@ class PeerTransfers:
                             "again")
 
     # ------------------------------------------------------------------ memory
+    def _sides(self, placement: str, layers: range, blocks: int) -> list[GroupSide]:
+        """Each block group's part of a transfer of ``blocks`` blocks (a request's, in order) of
+        model ``layers``: a sliding-window group moves only the blocks inside its window."""
+        block_size = self._resources.layout.block_size
+        out = []
+        for g in self._resources.block_groups():
+            window = g.spec.window_blocks(block_size)
+            out.append(GroupSide(g.kind, self._local_side(g, placement), self._resources.rows(g, layers),
+                                 0 if window is None else max(0, blocks - window)))
+        return out
+
     def _local_side(self, group: Any, placement: str) -> Side:
         if placement == "host":
             if group.swap_plan is None:

@@ -41,6 +41,19 @@ def same(got: dict, want: dict) -> None:
         assert np.array_equal(got[key], want[key]), f"{key} differs"
 
 
+def after_transfer(p_svc, d_before: dict, src: list[int], dst: list[int]) -> dict:
+    """What the decode side's blocks ``dst`` hold after a pull or push of ``src`` (a request's
+    blocks, in order): the source's, but a sliding-window group's only for the blocks inside its
+    window (the last ones); the others keep what they held."""
+    window = {g.name: g.window_blocks(p_svc.layout.block_size) for g in p_svc.layout.groups}
+    source = blocks(p_svc, src)
+    out = {}
+    for key, before in d_before.items():
+        first = 0 if window[key[1]] is None else max(0, len(src) - window[key[1]])
+        out[key] = np.concatenate([before[:first], source[key][first:]])
+    return out
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_each_preset_swaps_loads_layer_by_layer_and_stores_bit_exact(name, tmp_path):
     svc = start_service(layout(name), tp=TP, num_cpu_blocks=8, storage_backend="file",
@@ -81,21 +94,44 @@ def test_each_preset_pulls_and_pushes_bit_exact_over_both_transports(name):
         for transport in ("ipc", "mooncake"):
             link_both(p, d, transport)
             handle = p.expose(f"req-{transport}")
-            src, dst = [3, 4, 5], [10, 2, 7]
+            src, dst = [3, 4, 5, 6], [10, 2, 7, 13]
+            want = after_transfer(p_svc, blocks(d_svc, dst), src, dst)
             assert d.pull_blocks("prefill-0", handle, src, dst).result(timeout=30) == dst, transport
-            same(blocks(d_svc, dst), blocks(p_svc, src))
+            same(blocks(d_svc, dst), want)
             p.retract(handle)
 
-            src, dst = [11, 12], [0, 15]
+            src, dst = [11, 12, 1], [0, 15, 14]
+            want = after_transfer(p_svc, blocks(d_svc, dst), src, dst)
             target = d.receive_push("prefill-0", dst, timeout=30)
             future = p.push_blocks("decode-0", target.ticket, src, layerwise=True, timeout=30)
             for layer in range(p_svc.layout.total_layers):
                 future.layer_computed(layer + 1)
                 target.wait_for_layer(layer, timeout=20)
             assert target.result(timeout=20) == dst and future.result(timeout=20) == dst
-            same(blocks(d_svc, dst), blocks(p_svc, src))
+            same(blocks(d_svc, dst), want)
             assert target.close()
             assert p.unlink("decode-0") and d.unlink("prefill-0")
+
+
+def test_a_sliding_window_request_moves_only_its_window_over_pd():
+    """gpt-oss: 128-token windows on pages of 128 tokens, so a request's window is its last 2 blocks;
+    the full-attention layers move every block."""
+    with local_instance(layout("gpt-oss"), "prefill-0", tp=TP, num_cpu_blocks=4) as (p_svc, p), \
+            local_instance(layout("gpt-oss"), "decode-0", tp=TP, num_cpu_blocks=4) as (d_svc, d):
+        fill_distinct(p_svc, seed=11)
+        fill_distinct(d_svc, seed=12)
+        link_both(p, d, "ipc")
+        src, dst = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]
+        before = blocks(d_svc, dst)
+        handle = p.expose("long")
+        assert d.pull_blocks("prefill-0", handle, src, dst).result(timeout=30) == dst
+        got, source = blocks(d_svc, dst), blocks(p_svc, src)
+        for key in got:
+            if key[1].startswith("window_"):  # out of the window: never moved; inside: the source's
+                assert np.array_equal(got[key][:4], before[key][:4]), key
+                assert np.array_equal(got[key][4:], source[key][4:]), key
+            else:
+                assert np.array_equal(got[key], source[key]), key
 
 
 @pytest.mark.parametrize("name,p_tp,d_tp", [("glm-5", 2, 1), ("deepseek-v4", 1, 2)])
