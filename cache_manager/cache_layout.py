@@ -104,11 +104,13 @@ class TensorGroup:
         """A state group: one slot per request, addressed by slot, not by block."""
         return self.kind == "state"
 
-    def window_blocks(self, block_size: int) -> int | None:
-        """How many trailing blocks of a request attention still reads (None: all of them)."""
+    def window_blocks(self, block_size: int, aligned: bool = False) -> int | None:
+        """How many trailing blocks of a request attention still reads (None: all of them).
+        ``aligned``: the request ends at a block boundary (a stored prefix always does); else the
+        window may reach one block further back."""
         if self.kind != "sliding_window":
             return None
-        return -(-self.window // block_size) + 1  # the window may start inside a block
+        return -(-self.window // block_size) + (0 if aligned else 1)
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "block_shape": list(self.block_shape),

@@ -32,7 +32,7 @@ class DeviceStorageMover(ClosesOffThread):
         self.backend = backend
         self.block_size = block_size
         self.log = log
-        kinds = {tag: list(tensors) for tag, tensors in groups}  # the groups' storage tags
+        kinds = {tag: list(tensors) for tag, tensors, *_ in groups}  # the groups' storage tags
         self.device_blocks = min(int(t.shape[0]) for tensors in kinds.values() for t in tensors)
         self.caches = RankCaches(rank, tp_size, device_id, block_size, kinds, self.device_blocks)
         self._block_bytes = sum(self.caches.block_bytes(tag) * len(tensors) for tag, tensors in kinds.items())

@@ -2,8 +2,10 @@
 §3.7, §3.8, §4): file, Mooncake.  Backends that move device blocks themselves (EMS,
 AttentionStore) go through ``device_storage_mover.DeviceStorageMover`` instead.
 
-One storage object is one block of one rank for all layers of one cache kind (K, V, or an
-fp8 scale), keyed ``{namespace}/{block hash}/{rank}/{k|v|k_scale|v_scale}``.  Two ways to
+One storage object is one block of one rank for all layers of one cache group (K, V, an fp8
+scale, or a group of a grouped layout), keyed ``{namespace}/{block hash}/{rank}/{tag}``
+(``block_objects``); a sliding-window group's only for the blocks inside its window at the end of
+the write.  Two ways to
 move the bytes, chosen from what the platform and the backend say they can do:
 
 * **staged** (the default for host-staged backends): a write packs the blocks into a
@@ -34,7 +36,8 @@ move the bytes, chosen from what the platform and the backend say they can do:
   those blocks until then (two-phase completion).  Later transfers of the rank stage.
 
 Writes are write-through and skip the leading blocks already stored.  Reads load the
-leading run of blocks present and intact for every kind.  Every backend call runs on a
+leading run of blocks present and intact for every group, then the windowed groups' objects of
+the run's last blocks; a run whose window was never stored is cut back to one whose window was.  Every backend call runs on a
 per-direction I/O thread with a bounded backlog; a call whose deadline passed before it
 started is cancelled and never starts, and a full backlog or no free staging buffer
 (``staging`` owns them) fails the chunk at once with a log line, so a stuck backend shows up as
@@ -52,10 +55,11 @@ import numpy as np
 
 import ops
 from ops.platform import Platform
-from transfer_factory.keys import Namespace, storage_key
+from transfer_factory.keys import Namespace
 from transfer_factory.kvcache_storage import CommitLease, KVCacheStorage, StorageAccess, commit_lease
 
 from cache_manager.cache_tasks import Outcome, ReadStorageTask, WriteStorageTask
+from cache_manager.storage.block_objects import BlockObjects, ObjectGroup
 from cache_manager.storage.io_threads import (IO_BACKLOG, ClosesOffThread, IOThread, ScatterLease, StorageBusy,
                          begin_task_stats,
                          check_block_ids, current_task_stats, leading, read_span, start_call,
@@ -65,20 +69,6 @@ from cache_manager.storage.transfer_modes import resolve_transfer
 from cache_manager.storage.write_leases import WriteLeases
 
 STAGING_BUFFERS = 2  # per direction: one for the task at hand, one held by a call that outlived its task
-
-
-@dataclass
-class _Group:
-    """One cache kind: its per-layer tensors."""
-
-    tag: str
-    tensors: list[Any]
-    block_bytes: int  # per layer
-    layer_ptrs: list[int]
-
-    @property
-    def object_bytes(self) -> int:
-        return self.block_bytes * len(self.tensors)
 
 
 @dataclass
@@ -101,12 +91,15 @@ class StorageMover(ClosesOffThread):
         self.rank = rank
         self.max_blocks = max_blocks
         self.log = log
-        self.groups: list[_Group] = []
-        for tag, tensors in groups:  # tag: the storage key's kind of the group (cache_layout)
+        made = []
+        for tag, tensors, *window in groups:  # tag: the storage key's kind; window: in blocks, or none
             t = tensors[0]
             block_bytes = int(np.prod(t.shape[1:])) * t.element_size()
-            self.groups.append(_Group(tag, tensors, block_bytes, [int(x.data_ptr()) for x in tensors]))
-        self.device_blocks = min(int(t.shape[0]) for _, tensors in groups for t in tensors)  # valid in every layer
+            made.append(ObjectGroup(tag, tensors, block_bytes, [int(x.data_ptr()) for x in tensors],
+                                    window[0] if window else None))
+        self.objects = BlockObjects(made)
+        self.groups = self.objects.groups
+        self.device_blocks = min(int(t.shape[0]) for g in self.groups for t in g.tensors)  # valid in every layer
         if backend.access != StorageAccess.HOST_STAGED:
             raise ValueError(f"{backend.name} moves device blocks itself: it needs a DeviceStorageMover")
         self.direct = path == "direct"
@@ -146,24 +139,8 @@ class StorageMover(ClosesOffThread):
         self.log.error("a direct storage call outlived its task: this rank now stages every transfer")
 
     # ------------------------------------------------------------------ helpers
-    def _all_keys(self, hashes: Sequence[str]) -> list[str]:
-        """Block-major (every kind of block 0, then of block 1, ...): a store that fills up
-        midway keeps whole leading blocks."""
-        return [storage_key(self.namespace, h, self.rank, g.tag) for h in hashes for g in self.groups]
-
-    def _direct_batch(self, gpu_ids: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
-        """Per object (block-major, then kind): the address of the block in every layer's cache."""
-        ptrs = [[base + gid * g.block_bytes for base in g.layer_ptrs] for gid in gpu_ids for g in self.groups]
-        sizes = [[g.block_bytes] * len(g.layer_ptrs) for _ in gpu_ids for g in self.groups]
-        return ptrs, sizes
-
-    def _staged_batch(self, buf: StagingBuffer, n: int) -> tuple[list[int], list[int]]:
-        """Per object (block-major, then kind): its slot in the kind's staging buffer."""
-        ptrs = [ptr + j * g.object_bytes for j in range(n) for g, ptr in zip(self.groups, buf.ptrs)]
-        return ptrs, [g.object_bytes for _ in range(n) for g in self.groups]
-
-    def _per_block(self, ok: Sequence[bool], n: int) -> list[bool]:
-        return np.array(ok, dtype=bool).reshape(n, len(self.groups)).all(axis=1).tolist()
+    def _all_keys(self, hashes: Sequence[str], mask: np.ndarray | None = None) -> list[str]:
+        return self.objects.keys(self.namespace, self.rank, hashes, mask)
 
     def _start(self, direction: str, fn: Callable[[], Any], deadline: float, what: str) -> Future | None:
         return start_call(self._io[direction], fn, deadline, what, self.log)
@@ -171,11 +148,11 @@ class StorageMover(ClosesOffThread):
     def _wait(self, future: Future, deadline: float, what: str) -> tuple[Any, bool]:
         return wait_call(future, deadline, what, self.backend.name, self.log)
 
-    def _present(self, hashes: Sequence[str], deadline: float, direction: str) -> int:
-        """Leading blocks present for every kind (one batched call for all kinds)."""
+    def _present(self, hashes: Sequence[str], deadline: float, direction: str, mask: np.ndarray | None) -> int:
+        """Leading blocks present for every group (one batched call for all groups)."""
         def count() -> int:
-            found = self.backend.exists(self._all_keys(hashes))
-            return leading(self._per_block([f == 1 for f in found], len(hashes)))
+            found = self.backend.exists(self._all_keys(hashes, mask))
+            return leading(self.objects.per_block([f == 1 for f in found], len(hashes), mask))
 
         future = self._start(direction, count, deadline, "query")
         if future is None:
@@ -192,27 +169,30 @@ class StorageMover(ClosesOffThread):
         deadline = time.monotonic() + task.timeout if deadline is None else deadline
         stats = begin_task_stats()
         check_block_ids(task.gpu_block_ids, task.keys, self.device_blocks, "write")
-        stored = self._present(task.keys, deadline, "write")
+        n = len(task.keys)
+        stored = self._present(task.keys, deadline, "write", self.objects.write_mask(0, n, n))
         total, written, chunk = stored, 0, _Chunk()
-        for start in range(stored, len(task.keys), self.max_blocks):
+        for start in range(stored, n, self.max_blocks):
             if time.monotonic() >= deadline:
                 break
-            end = min(start + self.max_blocks, len(task.keys))
-            chunk = self._write_chunk(task.keys[start:end], task.gpu_block_ids[start:end], deadline)
+            end = min(start + self.max_blocks, n)
+            mask = self.objects.write_mask(start, end - start, n)
+            chunk = self._write_chunk(task.keys[start:end], task.gpu_block_ids[start:end], deadline, mask)
             total += chunk.blocks
-            written += chunk.blocks
+            written += self.objects.nbytes(mask, chunk.blocks)
             if chunk.blocks < end - start:
                 break
-        return Outcome(list(task.gpu_block_ids[:total]), written * self._block_bytes(), chunk.still_running,
+        return Outcome(list(task.gpu_block_ids[:total]), written, chunk.still_running,
                        stats.calls, stats.failures, still_storing=chunk.still_storing)
 
-    def _write_chunk(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float) -> _Chunk:
-        keys = self._all_keys(hashes)
+    def _write_chunk(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float,
+                     mask: np.ndarray | None) -> _Chunk:
+        keys = self._all_keys(hashes, mask)
         what = f"write of {len(hashes)} blocks"
         if self.direct:
-            ptrs, sizes = self._direct_batch(gpu_ids)
+            ptrs, sizes = self.objects.direct(gpu_ids, mask)
             future = self._start("write", lambda: self.backend.batch_set_multi(keys, ptrs, sizes), deadline, what)
-            return self._finish_direct(future, deadline, what, lambda res: [r == 0 for r in res], len(hashes))
+            return self._finish_direct(future, deadline, what, lambda res: [r == 0 for r in res], len(hashes), mask)
         try:
             buf = self._staging.take("write")
         except StorageBusy as exc:
@@ -225,7 +205,7 @@ class StorageMover(ClosesOffThread):
         except BaseException:
             self._staging.give_back("write", buf)
             raise
-        ptrs, sizes = self._staged_batch(buf, len(gpu_ids))
+        ptrs, sizes = self.objects.staged(buf.ptrs, len(gpu_ids), mask)
         lease = CommitLease(deadline)
 
         def job() -> list[int]:
@@ -244,10 +224,10 @@ class StorageMover(ClosesOffThread):
             return _Chunk(still_storing=self._leases.late(future, lease, what))
         if res is None:
             return _Chunk()
-        return _Chunk(leading(self._per_block([r == 0 for r in res], len(hashes))))
+        return _Chunk(leading(self.objects.per_block([r == 0 for r in res], len(hashes), mask)))
 
     def _finish_direct(self, future: Future | None, deadline: float, what: str,
-                       ok: Callable[[list[int]], list[bool]], n: int) -> _Chunk:
+                       ok: Callable[[list[int]], list[bool]], n: int, mask: np.ndarray | None) -> _Chunk:
         if future is None:
             return _Chunk()
         res, running = self._wait(future, deadline, what)
@@ -256,7 +236,7 @@ class StorageMover(ClosesOffThread):
             return _Chunk(still_running=future)
         if res is None:
             return _Chunk()
-        return _Chunk(leading(self._per_block(ok(res), n)))
+        return _Chunk(leading(self.objects.per_block(ok(res), n, mask)))
 
     # ------------------------------------------------------------------ read
     def read(self, task: ReadStorageTask, deadline: float | None = None) -> Outcome:
@@ -272,31 +252,60 @@ class StorageMover(ClosesOffThread):
             if time.monotonic() >= deadline:
                 break
             end = min(start + self.max_blocks, len(hashes))
-            chunk = self._read_chunk(hashes[start:end], task.gpu_block_ids[start:end], deadline)
+            chunk = self._read_chunk(hashes[start:end], task.gpu_block_ids[start:end], deadline,
+                                     self.objects.without_windows(end - start))
             loaded += chunk.blocks
             late = chunk.still_running
             if chunk.blocks < end - start:
                 break
-        return Outcome(list(task.gpu_block_ids[:loaded]), loaded * self._block_bytes(), late, stats.calls,
-                       stats.failures)
+        moved = self.objects.nbytes(self.objects.without_windows(loaded), loaded)
+        if loaded and self.objects.windowed and late is None:
+            loaded, window_bytes = self._read_windows(hashes[:loaded], task.gpu_block_ids[:loaded], deadline)
+            moved += window_bytes
+        return Outcome(list(task.gpu_block_ids[:loaded]), moved, late, stats.calls, stats.failures)
 
-    def _read_chunk(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float) -> _Chunk:
-        keys = self._all_keys(hashes)
+    def _read_windows(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float) -> tuple[int, int]:
+        """The windowed groups' objects of the run's last blocks: (the run they complete, bytes).  A
+        run whose window was never stored (it ended inside a longer write) is cut back to the
+        longest one whose window was; 0 when there is none."""
+        end = len(hashes)
+        for attempt in range(2):
+            first = max(0, end - max(g.window for g in self.groups if g.window is not None))
+            mask = self.objects.window_mask(end)[first:]
+            if self._read_chunk(hashes[first:end], gpu_ids[first:end], deadline, mask).blocks == end - first:
+                return end, self.objects.nbytes(mask, end - first)
+            if attempt:
+                break
+            everywhere = np.broadcast_to(~self.objects.without_windows(1)[0], (end, len(self.groups))).copy()
+            future = self._start("read", lambda: self.backend.exists(self._all_keys(hashes[:end], everywhere)),
+                                 deadline, "window query")
+            found, _ = self._wait(future, deadline, "window query") if future is not None else (None, False)
+            if found is None:
+                break
+            end = self.objects.window_end(self.objects.per_group([f == 1 for f in found], everywhere), end)
+            if end == 0:
+                break
+        return 0, 0
+
+    def _read_chunk(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float,
+                    mask: np.ndarray | None) -> _Chunk:
+        keys = self._all_keys(hashes, mask)
         what = f"read of {len(hashes)} blocks"
-        want = np.tile([g.object_bytes for g in self.groups], len(hashes))
+        want = self.objects.sizes(len(hashes), mask)
         full = lambda res: (np.array(res, dtype=np.int64) == want).tolist()  # noqa: E731
         if self.direct:
-            ptrs, sizes = self._direct_batch(gpu_ids)
+            ptrs, sizes = self.objects.direct(gpu_ids, mask)
             future = self._start("read", lambda: self.backend.batch_get_multi(keys, ptrs, sizes), deadline, what)
-            return self._finish_direct(future, deadline, what, full, len(hashes))
+            return self._finish_direct(future, deadline, what, full, len(hashes), mask)
         try:
             buf = self._staging.take("read")
         except StorageBusy as exc:
             self.log.error("storage %s not started: %s", what, exc)
             return _Chunk()
-        if self._piece_blocks and len(gpu_ids) > self._piece_blocks:  # one piece would gain nothing
-            return self._read_pieces(buf, keys, gpu_ids, deadline, what)
-        ptrs, sizes = self._staged_batch(buf, len(gpu_ids))
+        uniform = mask is None or bool((mask == mask[:1]).all())  # pieces need as many objects per block
+        if uniform and self._piece_blocks and len(gpu_ids) > self._piece_blocks:  # one piece would gain nothing
+            return self._read_pieces(buf, keys, gpu_ids, deadline, what, mask)
+        ptrs, sizes = self.objects.staged(buf.ptrs, len(gpu_ids), mask)
 
         def job() -> list[int]:
             self._staging.register(buf)
@@ -311,30 +320,39 @@ class StorageMover(ClosesOffThread):
             future.add_done_callback(lambda _f: self._staging.give_back("read", buf))
             return _Chunk()
         try:
-            loaded = leading(self._per_block(full(res), len(hashes))) if res is not None else 0
+            loaded = leading(self.objects.per_block(full(res), len(hashes), mask)) if res is not None else 0
             if loaded and time.monotonic() >= deadline:
                 self.log.error("storage %s finished after its deadline: nothing scattered", what)
                 loaded = 0
             if loaded:  # only the good prefix, only in time
-                self._scatter(buf, gpu_ids[:loaded], range(loaded))
+                self._scatter(buf, gpu_ids[:loaded], range(loaded), mask=mask)
         finally:
             self._staging.give_back("read", buf)
         return _Chunk(loaded)
 
-    def _scatter(self, buf: StagingBuffer, gpu_ids: Sequence[int], slots: Sequence[int], bulk: bool = False) -> None:
-        for plan in buf.plans:
-            self.platform.run_plan(plan, list(gpu_ids), list(slots), ops.HOST_TO_DEVICE, bulk=bulk)
+    def _scatter(self, buf: StagingBuffer, gpu_ids: Sequence[int], slots: Sequence[int], bulk: bool = False,
+                 mask: np.ndarray | None = None) -> None:
+        """Staging slots ``slots`` into device blocks ``gpu_ids``, each group where ``mask`` (rows of
+        the slots) asked for it."""
+        for column, plan in enumerate(buf.plans):
+            ids, at = list(gpu_ids), list(slots)
+            if mask is not None:
+                on = np.flatnonzero(mask[:len(ids), column])
+                ids, at = [ids[i] for i in on], [at[i] for i in on]
+            if ids:
+                self.platform.run_plan(plan, ids, at, ops.HOST_TO_DEVICE, bulk=bulk)
 
     def _read_pieces(self, buf: StagingBuffer, keys: list[str], gpu_ids: Sequence[int], deadline: float,
-                     what: str) -> _Chunk:
+                     what: str, mask: np.ndarray | None) -> _Chunk:
         """A staged read in pieces that stay in the CPU cache: the I/O thread reads a piece into
         the first slots of the staging buffer and scatters it at once, under a lease the task
         revokes before it answers.  The bytes then cross main memory once each way, as a raw
         read's do, instead of three times (read, checksum, scatter of the whole chunk).  Only
         on platforms whose copies cannot stall: revoking waits for a scatter in progress."""
         lease = ScatterLease(deadline)
-        kinds, step = len(self.groups), self._piece_blocks
-        ptrs, sizes = self._staged_batch(buf, min(step, len(gpu_ids)))
+        kinds = len(self.groups) if mask is None else int(mask[0].sum())  # objects per block (uniform)
+        step = self._piece_blocks
+        ptrs, sizes = self.objects.staged(buf.ptrs, min(step, len(gpu_ids)), None if mask is None else mask[:step])
 
         def job() -> tuple[int, int]:
             self._staging.register(buf)
@@ -344,9 +362,10 @@ class StorageMover(ClosesOffThread):
                 res = self.backend.batch_get(keys[start * kinds:(start + n) * kinds], ptrs[:n * kinds],
                                              sizes[:n * kinds])
                 calls += 1
-                good = leading(self._per_block([r == size for r, size in zip(res, sizes)], n))
+                piece_mask = None if mask is None else mask[:n]
+                good = leading(self.objects.per_block([r == size for r, size in zip(res, sizes)], n, piece_mask))
                 piece = gpu_ids[start:start + good]
-                if good and not lease.run(lambda: self._scatter(buf, piece, range(len(piece)), bulk=True)):
+                if good and not lease.run(lambda: self._scatter(buf, piece, range(len(piece)), True, piece_mask)):
                     break
                 loaded += good
                 if good < n:

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from cache_manager.cache_presets import preset
-from transfer_factory.keys import chain_hash_ids
+from transfer_factory.file.store import FileStore
+from transfer_factory.keys import chain_hash_ids, storage_key
 from tests.pd_helpers import link_both, local_instance
 from tests.service_helpers import fill_distinct, start_service, views
 
@@ -41,17 +42,20 @@ def same(got: dict, want: dict) -> None:
         assert np.array_equal(got[key], want[key]), f"{key} differs"
 
 
-def after_transfer(p_svc, d_before: dict, src: list[int], dst: list[int]) -> dict:
-    """What the decode side's blocks ``dst`` hold after a pull or push of ``src`` (a request's
-    blocks, in order): the source's, but a sliding-window group's only for the blocks inside its
-    window (the last ones); the others keep what they held."""
-    window = {g.name: g.window_blocks(p_svc.layout.block_size) for g in p_svc.layout.groups}
-    source = blocks(p_svc, src)
+def windowed(svc, before: dict, source: dict, aligned: bool = False) -> dict:
+    """What blocks hold after a request's blocks (in order) moved into them: the source's, but a
+    sliding-window group's only inside its window (the last blocks); before it they keep ``before``."""
+    window = {g.name: g.window_blocks(svc.layout.block_size, aligned) for g in svc.layout.groups}
     out = {}
-    for key, before in d_before.items():
-        first = 0 if window[key[1]] is None else max(0, len(src) - window[key[1]])
-        out[key] = np.concatenate([before[:first], source[key][first:]])
+    for key, old in before.items():
+        first = 0 if window[key[1]] is None else max(0, len(old) - window[key[1]])
+        out[key] = np.concatenate([old[:first], source[key][first:]])
     return out
+
+
+def after_transfer(p_svc, d_before: dict, src: list[int], dst: list[int]) -> dict:
+    """What the decode side's blocks ``dst`` hold after a pull or push of ``src``."""
+    return windowed(p_svc, d_before, blocks(p_svc, src))
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -77,8 +81,9 @@ def test_each_preset_swaps_loads_layer_by_layer_and_stores_bit_exact(name, tmp_p
 
         keys = chain_hash_ids([f"{name}-{i}" for i in range(3)])
         assert svc.write_storage(keys, [1, 2, 3]).result(timeout=30) == [1, 2, 3]
+        stored = windowed(svc, blocks(svc, [4, 5, 6], state), want, aligned=True)
         assert svc.read_storage(keys, [4, 5, 6]).result(timeout=30) == [4, 5, 6]
-        same(blocks(svc, [4, 5, 6], state), want)
+        same(blocks(svc, [4, 5, 6], state), stored)
         for key, before in kept_state.items():  # a state group is addressed by slot: block tasks leave it
             assert np.array_equal(views(svc)[key], before), key
     finally:
@@ -111,6 +116,40 @@ def test_each_preset_pulls_and_pushes_bit_exact_over_both_transports(name):
             same(blocks(d_svc, dst), want)
             assert target.close()
             assert p.unlink("decode-0") and d.unlink("prefill-0")
+
+
+def test_storage_keeps_a_sliding_window_groups_objects_only_inside_the_window(tmp_path):
+    """deepseek-v4 (a 128-token window on 128-token pages: the last block of a write): a read of a
+    stored run ends where a write ended, cut back to the last such end when its window is missing."""
+    svc = start_service(layout("deepseek-v4"), tp=TP, num_cpu_blocks=4, storage_backend="file",
+                        storage_options={"root": str(tmp_path), "fsync": False})
+    try:
+        fill_distinct(svc, seed=13)
+        keys = chain_hash_ids([f"long-{i}" for i in range(6)])
+        src = [1, 2, 3, 4, 5, 6]
+        source = blocks(svc, src)
+        assert svc.write_storage(keys[:3], src[:3]).result(timeout=30) == src[:3]  # window: block 2
+        assert svc.write_storage(keys, src).result(timeout=30) == src  # window: block 5
+        ns = str(svc.namespace())
+        for rank in range(TP):
+            probe = FileStore(ns, rank, {"root": str(tmp_path), "fsync": False})
+            try:
+                for tag, want in (("window_caches", [0, 0, 1, 0, 0, 1]), ("c4_caches", [1] * 6)):
+                    assert probe.exists([storage_key(ns, h, rank, tag) for h in keys]) == want, (rank, tag)
+            finally:
+                probe.close()
+
+        for asked, served in ((6, 6), (4, 3), (2, 0)):
+            dst = [9, 10, 11, 12, 13, 14][:asked]
+            before = blocks(svc, dst)
+            got = svc.read_storage(keys[:asked], dst).result(timeout=30)
+            assert got == dst[:served], (asked, got)
+            if served:
+                want = windowed(svc, {k: v[:served] for k, v in before.items()},
+                                {k: v[:served] for k, v in source.items()}, aligned=True)
+                same({k: v[:served] for k, v in blocks(svc, dst).items()}, want)
+    finally:
+        svc.shutdown()
 
 
 def test_a_sliding_window_request_moves_only_its_window_over_pd():

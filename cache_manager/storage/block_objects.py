@@ -1,0 +1,118 @@
+"""Which storage objects a task moves: one per block and cache group, all layers of the group.
+
+A block's objects are keyed ``{namespace}/{block hash}/{rank}/{tag}`` (the group's tag: ``k``,
+``v``, ``k_scale``, ``v_scale`` for FastDeploy's caches, the group's name otherwise).  A
+sliding-window group's object exists only for the blocks inside its window at the end of the
+write (attention never reads the others again), so a task says per block which groups it moves:
+a mask of ``[blocks, groups]``.  ``None`` is every object of every block, the common case, on the
+paths it always took.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from transfer_factory.keys import Namespace, storage_key
+
+Mask = "np.ndarray | None"
+
+
+@dataclass
+class ObjectGroup:
+    """One cache group's per-layer tensors, and its window in blocks (None: every block)."""
+
+    tag: str
+    tensors: list[Any]
+    block_bytes: int  # per layer
+    layer_ptrs: list[int]
+    window: int | None = None
+
+    @property
+    def object_bytes(self) -> int:
+        return self.block_bytes * len(self.tensors)
+
+
+class BlockObjects:
+    def __init__(self, groups: Sequence[ObjectGroup]):
+        self.groups = list(groups)
+        self._windows = np.array([g.window if g.window is not None else -1 for g in self.groups])
+        self.windowed = bool((self._windows >= 0).any())
+        self._sizes = np.array([g.object_bytes for g in self.groups], dtype=np.int64)
+
+    # ------------------------------------------------------------------ masks
+    def write_mask(self, first: int, n: int, total: int) -> np.ndarray | None:
+        """Blocks ``[first, first + n)`` of a write of ``total`` blocks: a windowed group's object
+        only for the blocks inside its window, the last of the write."""
+        if not self.windowed:
+            return None
+        index = np.arange(first, first + n)[:, None]
+        return (self._windows < 0)[None, :] | (index >= total - self._windows[None, :])
+
+    def without_windows(self, n: int) -> np.ndarray | None:
+        """The first pass of a read: every group but the windowed ones."""
+        if not self.windowed:
+            return None
+        return np.broadcast_to(self._windows < 0, (n, len(self.groups))).copy()
+
+    def window_mask(self, n: int) -> np.ndarray:
+        """The last ``n`` blocks of a read's run: each windowed group's objects of its window."""
+        index = np.arange(n)[:, None]
+        return (self._windows >= 0)[None, :] & (index >= n - self._windows[None, :])
+
+    def window_end(self, present: np.ndarray, run: int) -> int:
+        """The longest run ``<= run`` whose windows are all present (``present``: ``[run, groups]``
+        of the windowed groups' objects; other columns ignored)."""
+        for end in range(run, 0, -1):
+            need = self.window_mask(end)
+            if present[:end][need].all():
+                return end
+        return 0
+
+    # ------------------------------------------------------------------ batches
+    def keys(self, namespace: Namespace | str, rank: int, hashes: Sequence[str], mask: np.ndarray | None) -> list[str]:
+        """Block-major (every group of block 0, then of block 1, ...): a store that fills up midway
+        keeps whole leading blocks."""
+        if mask is None:
+            return [storage_key(namespace, h, rank, g.tag) for h in hashes for g in self.groups]
+        return [storage_key(namespace, h, rank, g.tag) for h, row in zip(hashes, mask)
+                for g, on in zip(self.groups, row) if on]
+
+    def direct(self, gpu_ids: Sequence[int], mask: np.ndarray | None) -> tuple[list[list[int]], list[list[int]]]:
+        """Per object: the address of the block in every layer's cache."""
+        rows = mask if mask is not None else np.ones((len(gpu_ids), len(self.groups)), dtype=bool)
+        ptrs = [[base + gid * g.block_bytes for base in g.layer_ptrs] for gid, row in zip(gpu_ids, rows)
+                for g, on in zip(self.groups, row) if on]
+        sizes = [[g.block_bytes] * len(g.layer_ptrs) for row in rows for g, on in zip(self.groups, row) if on]
+        return ptrs, sizes
+
+    def staged(self, buffers: Sequence[int], n: int, mask: np.ndarray | None) -> tuple[list[int], list[int]]:
+        """Per object: its slot in the group's staging buffer (block ``j``'s slot is ``j``)."""
+        if mask is None:
+            return ([ptr + j * g.object_bytes for j in range(n) for g, ptr in zip(self.groups, buffers)],
+                    [g.object_bytes for _ in range(n) for g in self.groups])
+        pairs = [(ptr + j * g.object_bytes, g.object_bytes) for j in range(n)
+                 for g, ptr, on in zip(self.groups, buffers, mask[j]) if on]
+        return [p for p, _ in pairs], [s for _, s in pairs]
+
+    def sizes(self, n: int, mask: np.ndarray | None) -> np.ndarray:
+        """The bytes of each object of a batch, in its order."""
+        return np.tile(self._sizes, n) if mask is None else np.broadcast_to(self._sizes, mask.shape)[mask]
+
+    def per_block(self, ok: Sequence[bool], n: int, mask: np.ndarray | None) -> list[bool]:
+        """Whether every object a block moved succeeded (a block that moved none did)."""
+        if mask is None:
+            return np.array(ok, dtype=bool).reshape(n, len(self.groups)).all(axis=1).tolist()
+        full = np.ones(mask.shape, dtype=bool)
+        full[mask] = np.asarray(ok, dtype=bool)
+        return full.all(axis=1).tolist()
+
+    def per_group(self, ok: Sequence[bool], mask: np.ndarray) -> np.ndarray:
+        """``[blocks, groups]``: the batch's results in place, False where nothing was asked."""
+        out = np.zeros(mask.shape, dtype=bool)
+        out[mask] = np.asarray(ok, dtype=bool)
+        return out
+
+    def nbytes(self, mask: np.ndarray | None, n: int) -> int:
+        return int(self._sizes.sum()) * n if mask is None else int(self.sizes(n, mask[:n]).sum())
