@@ -7,7 +7,7 @@ DEPS   := $(VENV)/.deps-installed
 SYSDEPS := $(VENV)/.sysdeps-installed
 EXT    := ops/_block_copy.stamp
 
-.PHONY: demo swap-demo test lint bench build clean
+.PHONY: demo swap-demo test test-slow lint bench build clean
 
 TRACE  := $(wildcard ../shared/traces/synthetic_trace.jsonl)
 
@@ -19,8 +19,11 @@ swap-demo: build
 	$(PY) scripts/demo_swap.py
 
 test: build lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
 	PY=$(PY) bash tests/run_unprivileged.sh  # as root: the `permissions` tests again, as uid 65534
+
+test-slow: build  # the long scenarios `make test` leaves out (tests/conftest.py, SLOW_TESTS)
+	$(PY) -m pytest -q -m slow
 
 lint: $(DEPS)
 	$(PY) -m pyflakes cache_manager ops transfer_factory engine_hooks tests

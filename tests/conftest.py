@@ -56,6 +56,25 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)   # still busy: detach it anyway
 
 
+# The long scenarios, marked ``slow``: ``make test`` leaves them out to stay within ~15 minutes on a
+# 2-core machine, ``make test-slow`` runs them (before a release, and after changing what they cover).
+# Each repeats at length what a default test checks once: the two-host bed's fault scenarios (the
+# bit-exact transfer across the veth stays in ``make test``), a Mooncake master stopped under late
+# writes, replays of several instances, a replay's end by signal, a thousand random P/D transfers,
+# every preset over P/D, the real-scale engine.  Matched on "file.py" or a prefix of "file.py::test".
+SLOW_TESTS = (
+    "test_pd_two_hosts.py::test_a_pull_from_a_sigkilled", "test_pd_two_hosts.py::test_a_blackholed",
+    "test_pd_two_hosts.py::test_two_hosts_left", "test_pd_two_hosts.py::test_a_decode_host_whose_clock",
+    "test_pd_two_hosts.py::test_pulls_timing_out", "test_pd_two_hosts.py::test_a_pull_that_cannot_start",
+    "test_pd_two_hosts.py::test_a_prefill_instance_that_never_answers",
+    "test_mooncake_faults.py::test_stopped_master_late_write", "test_multi_instance.py",
+    "test_replay.py::test_the_temporary_store_root_goes", "test_replay.py::test_write_policies",
+    "test_pd_random.py", "test_real_scale.py",
+    "test_cache_layout_paths.py::test_each_preset_pulls_and_pushes_bit_exact_over_both_transports[deepseek-v3]",
+    "test_cache_layout_paths.py::test_each_preset_pulls_and_pushes_bit_exact_over_both_transports[deepseek-v4]",
+    "test_cache_layout_paths.py::test_each_preset_pulls_and_pushes_bit_exact_over_both_transports[qwen3-235b]",
+)
+
 # Tests of uid, ownership and file-mode behaviour, marked ``permissions``: ``make test`` runs them a
 # second time as uid 65534 (tests/run_unprivileged.sh), where root's bypass of permission checks
 # cannot hide a bug.  Matched on "file.py" or a prefix of "file.py::test_name".
@@ -95,6 +114,7 @@ def pytest_generate_tests(metafunc):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "permissions: uid, ownership and file-mode behaviour (also run as uid 65534)")
+    config.addinivalue_line("markers", "slow: long scenarios left out of `make test`, run by `make test-slow`")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -103,6 +123,8 @@ def pytest_collection_modifyitems(config, items):
         name = item.nodeid.rsplit("/", 1)[-1]
         if name.startswith(PERMISSION_TESTS):
             item.add_marker(pytest.mark.permissions)
+        if name.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
         why = next((why for test, why in ROOT_ONLY.items() if name.startswith(test)), None)
         if why and os.geteuid() != 0:
             item.add_marker(pytest.mark.skip(reason=why))
