@@ -206,6 +206,11 @@ class CacheLayout:
         blocks = self.layer_blocks()
         return [blocks[l] for l in group.layers]
 
+    @property
+    def request_slots(self) -> int:
+        """Request slots of the state groups (0 without one): a task's ``state_slot`` is below it."""
+        return self.state_slots if any(g.per_request for g in self.groups) else 0
+
     def block_groups(self) -> tuple[TensorGroup, ...]:
         """The groups a block id addresses (every group but the state groups)."""
         return tuple(g for g in self.groups if not g.per_request)

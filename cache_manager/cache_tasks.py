@@ -53,6 +53,7 @@ class ReadStorageTask:
     timeout: float = 30.0
     event_type: int = int(CacheStatus.STORAGE2GPU)
     layerwise: LayerwiseRef | None = None
+    state_slot: int | None = None  # the request's slot of the layout's state groups, loaded at the run's end
 
 
 @dataclass
@@ -64,6 +65,7 @@ class WriteStorageTask:
     timeout: float = 30.0
     event_type: int = int(CacheStatus.GPU2STORAGE)
     layerwise: LayerwiseRef | None = None
+    state_slot: int | None = None  # the request's slot of the layout's state groups, stored at the write's end
 
 
 @dataclass
@@ -89,6 +91,7 @@ class PullTask:
     placement: str = "device"  # or "host": the destination is the rank's swap space
     layers: tuple[int, int] | None = None  # [first, stop); None: every layer
     event_type: int = int(CacheStatus.PEER_PULL)
+    state_slots: tuple[int, int] | None = None  # (the peer's slot, this rank's) of the state groups
 
 
 @dataclass
@@ -105,6 +108,7 @@ class PushTask:
     dst_block_ids: list[int]
     layerwise: LayerwiseRef | None = None  # this engine's compute progress, for a layer-wise push
     event_type: int = int(CacheStatus.PEER_PUSH)
+    state_slots: tuple[int, int] | None = None  # (this rank's slot, the peer's) of the state groups
 
 
 PLACEMENTS = ("device", "host")
@@ -200,7 +204,7 @@ def task_from_wire(d: Any) -> Task:
             target = LayerwiseRef.from_wire(d.get("target"))
         except ValueError as exc:
             raise TaskFormatError(f"push target: {exc}") from None
-        return PushTask(task_id, _str(d, "peer"), target, src, dst, _layerwise(d))
+        return PushTask(task_id, _str(d, "peer"), target, src, dst, _layerwise(d), state_slots=_state_slots(d))
     keys = d.get("keys")
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise TaskFormatError("task field 'keys' must be a list of strings")
@@ -212,10 +216,10 @@ def task_from_wire(d: Any) -> Task:
         if not isinstance(start, int) or start < 0:
             raise TaskFormatError(f"start_read_block_idx {start!r} must be a non-negative integer")
         return ReadStorageTask(task_id, keys, _int_list(d, "token_ids"), _int_list(d, "gpu_block_ids"), start,
-                               float(timeout), layerwise=_layerwise(d))
+                               float(timeout), layerwise=_layerwise(d), state_slot=_state_slot(d))
     if status == CacheStatus.GPU2STORAGE:
         return WriteStorageTask(task_id, keys, _int_list(d, "token_ids"), _int_list(d, "gpu_block_ids"),
-                                float(timeout), layerwise=_layerwise(d))
+                                float(timeout), layerwise=_layerwise(d), state_slot=_state_slot(d))
     raise TaskFormatError(f"event type {status.name} ({event}) is not a task the CTM runs")
 
 
@@ -233,7 +237,26 @@ def _pull_task(task_id: str, d: dict) -> PullTask:
     src, dst = _int_list(d, "src_block_ids"), _int_list(d, "dst_block_ids")
     if len(src) != len(dst):
         raise TaskFormatError(f"pull has {len(src)} source blocks but {len(dst)} destination blocks")
-    return PullTask(task_id, _str(d, "peer"), handle, src, dst, placement, layers)
+    state = _state_slots(d)
+    if state is not None and placement != "device":
+        raise TaskFormatError("a pull into host swap slots cannot carry state slots (state lives on the device)")
+    return PullTask(task_id, _str(d, "peer"), handle, src, dst, placement, layers, state_slots=state)
+
+
+def _state_slot(d: dict) -> int | None:
+    slot = d.get("state_slot")
+    if slot is not None and (type(slot) is not int or slot < 0):
+        raise TaskFormatError(f"task field 'state_slot' {slot!r:.40} must be a non-negative integer")
+    return slot
+
+
+def _state_slots(d: dict) -> tuple[int, int] | None:
+    slots = d.get("state_slots")
+    if slots is None:
+        return None
+    if not (isinstance(slots, list) and len(slots) == 2 and all(type(v) is int and v >= 0 for v in slots)):
+        raise TaskFormatError(f"task field 'state_slots' {slots!r:.80} must be [source slot, destination slot]")
+    return slots[0], slots[1]
 
 
 @dataclass

@@ -63,6 +63,7 @@ from .core.layerwise import LayerwiseTasks
 from .core.metrics import CacheMetrics
 from .core.engine_core import EngineCore
 from .core.rank_recovery import RankHooks, RankRecovery, RestartPolicy
+from .core.wire_tasks import state_slot as wire_state_slot
 from .core.wire_tasks import storage_task, swap_task
 
 logger = logging.getLogger(__name__)
@@ -278,24 +279,29 @@ class CacheTransferService:
         return self._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=False)
 
     def write_storage(self, keys: Sequence[str], gpu_block_ids: Any, token_ids: Sequence[int] | None = None,
-                      timeout: float | None = None, layerwise: bool = False) -> Future:
+                      timeout: float | None = None, layerwise: bool = False, state_slot: int | None = None) -> Future:
         """Write-through: store blocks ``gpu_block_ids`` under the chained block hashes ``keys``
         on every rank, skipping the leading blocks already stored.  Resolves to the gpu block
         ids stored on every rank (a leading run; 0 blocks when storage is down).  With
-        ``layerwise=True`` the ranks stage layer ``l`` once ``future.layer_computed(l + 1)`` was called."""
+        ``layerwise=True`` the ranks stage layer ``l`` once ``future.layer_computed(l + 1)`` was called.
+        ``state_slot``: the request's slot of the layout's state groups, stored with the last block."""
         timeout = self.task_timeout if timeout is None else float(timeout)
-        task = storage_task(CacheStatus.GPU2STORAGE, keys, gpu_block_ids, token_ids, timeout)
+        slot = None if state_slot is None else wire_state_slot(state_slot, self.layout.request_slots)
+        task = storage_task(CacheStatus.GPU2STORAGE, keys, gpu_block_ids, token_ids, timeout, state_slot=slot)
         return self._submit_maybe_layerwise(task, timeout, self.storage_grace, layerwise, is_store=True)
 
     def read_storage(self, keys: Sequence[str], gpu_block_ids: Any, start_read_block_idx: int = 0,
                      token_ids: Sequence[int] | None = None, timeout: float | None = None,
-                     layerwise: bool = False) -> Future:
+                     layerwise: bool = False, state_slot: int | None = None) -> Future:
         """Load ``keys[start_read_block_idx:]`` into ``gpu_block_ids``.  Resolves to the gpu block
         ids loaded: the leading run present on every rank (the minimum over ranks).  With
         ``layerwise=True``, ``future.wait_for_layer(l)`` returns the blocks of layer ``l`` landed on
-        every rank as soon as they are."""
+        every rank as soon as they are.  ``state_slot``: the slot the state of the run's end
+        (stored by a write that ended there) is loaded into; a run is cut back to where one was."""
         timeout = self.task_timeout if timeout is None else float(timeout)
-        task = storage_task(CacheStatus.STORAGE2GPU, keys, gpu_block_ids, token_ids, timeout, start_read_block_idx)
+        slot = None if state_slot is None else wire_state_slot(state_slot, self.layout.request_slots)
+        task = storage_task(CacheStatus.STORAGE2GPU, keys, gpu_block_ids, token_ids, timeout, start_read_block_idx,
+                            slot)
         return self._submit_maybe_layerwise(task, timeout, self.storage_grace, layerwise, is_store=False)
 
     def _submit_maybe_layerwise(self, task: dict, timeout: float | None, grace: float, layerwise: bool,

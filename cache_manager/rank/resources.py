@@ -209,8 +209,8 @@ class RankResources:
             return
         backend = create_storage_backend(a.kvcache_storage_backend, namespace=str(self.namespace()), rank=self.rank,
                                          options=a.storage_options)
-        groups = [(g.spec.tag, g.tensors, g.spec.window_blocks(self.layout.block_size, aligned=True))
-                  for g in self.block_groups()]
+        groups = [(g.spec.tag, g.tensors, g.spec.window_blocks(self.layout.block_size, aligned=True), g.spec.per_request)
+                  for g in self.groups]
         block_size = self.layout.block_size
         try:
             if backend.access == StorageAccess.DEVICE_DIRECT:

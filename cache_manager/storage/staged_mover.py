@@ -92,14 +92,15 @@ class StorageMover(ClosesOffThread):
         self.max_blocks = max_blocks
         self.log = log
         made = []
-        for tag, tensors, *window in groups:  # tag: the storage key's kind; window: in blocks, or none
+        for tag, tensors, *more in groups:  # tag: the storage key's kind; then its window and per_request
             t = tensors[0]
             block_bytes = int(np.prod(t.shape[1:])) * t.element_size()
-            made.append(ObjectGroup(tag, tensors, block_bytes, [int(x.data_ptr()) for x in tensors],
-                                    window[0] if window else None))
+            made.append(ObjectGroup(tag, tensors, block_bytes, [int(x.data_ptr()) for x in tensors], *more))
         self.objects = BlockObjects(made)
         self.groups = self.objects.groups
-        self.device_blocks = min(int(t.shape[0]) for g in self.groups for t in g.tensors)  # valid in every layer
+        # valid in every layer: the blocks, and the state slots of the state groups
+        self.device_blocks = min(int(t.shape[0]) for g in self.groups if not g.per_request for t in g.tensors)
+        self.state_slots = min((int(t.shape[0]) for g in self.groups if g.per_request for t in g.tensors), default=0)
         if backend.access != StorageAccess.HOST_STAGED:
             raise ValueError(f"{backend.name} moves device blocks itself: it needs a DeviceStorageMover")
         self.direct = path == "direct"
@@ -118,7 +119,8 @@ class StorageMover(ClosesOffThread):
         piece = int(getattr(backend, "staged_read_piece_bytes", 0) or 0)
         self._piece_blocks = max(1, piece // self._block_bytes()) if piece and platform.copies_cannot_stall else 0
         self._staging = StagingBuffers(platform, backend, [g.tensors for g in self.groups],
-                                       [g.object_bytes for g in self.groups], max_blocks, staging_buffers)
+                                       [g.object_bytes for g in self.groups], max_blocks, staging_buffers,
+                                       self.objects.staging_slots(max_blocks))
         if not self.direct:
             self._staging.prepare()
             self._staging.register_all()
@@ -161,7 +163,7 @@ class StorageMover(ClosesOffThread):
         return int(n) if n is not None else 0
 
     def _block_bytes(self) -> int:
-        return sum(g.object_bytes for g in self.groups)
+        return sum(g.object_bytes for g in self.groups if not g.per_request)
 
     # ------------------------------------------------------------------ write
     def write(self, task: WriteStorageTask, deadline: float | None = None) -> Outcome:
@@ -169,15 +171,16 @@ class StorageMover(ClosesOffThread):
         deadline = time.monotonic() + task.timeout if deadline is None else deadline
         stats = begin_task_stats()
         check_block_ids(task.gpu_block_ids, task.keys, self.device_blocks, "write")
+        state = self._check_state(task.state_slot)
         n = len(task.keys)
-        stored = self._present(task.keys, deadline, "write", self.objects.write_mask(0, n, n))
+        stored = self._present(task.keys, deadline, "write", self.objects.write_mask(0, n, n, state))
         total, written, chunk = stored, 0, _Chunk()
         for start in range(stored, n, self.max_blocks):
             if time.monotonic() >= deadline:
                 break
             end = min(start + self.max_blocks, n)
-            mask = self.objects.write_mask(start, end - start, n)
-            chunk = self._write_chunk(task.keys[start:end], task.gpu_block_ids[start:end], deadline, mask)
+            mask = self.objects.write_mask(start, end - start, n, state)
+            chunk = self._write_chunk(task.keys[start:end], task.gpu_block_ids[start:end], deadline, mask, state)
             total += chunk.blocks
             written += self.objects.nbytes(mask, chunk.blocks)
             if chunk.blocks < end - start:
@@ -185,12 +188,19 @@ class StorageMover(ClosesOffThread):
         return Outcome(list(task.gpu_block_ids[:total]), written, chunk.still_running,
                        stats.calls, stats.failures, still_storing=chunk.still_storing)
 
+    def _check_state(self, slot: int | None) -> int | None:
+        if slot is not None and not self.state_slots:
+            raise ValueError(f"state_slot {slot}: this cache layout has no state group")
+        if slot is not None and slot >= self.state_slots:
+            raise ValueError(f"state_slot {slot} is out of range [0, {self.state_slots})")
+        return slot
+
     def _write_chunk(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float,
-                     mask: np.ndarray | None) -> _Chunk:
+                     mask: np.ndarray | None, state: int | None = None) -> _Chunk:
         keys = self._all_keys(hashes, mask)
         what = f"write of {len(hashes)} blocks"
         if self.direct:
-            ptrs, sizes = self.objects.direct(gpu_ids, mask)
+            ptrs, sizes = self.objects.direct(gpu_ids, mask, state)
             future = self._start("write", lambda: self.backend.batch_set_multi(keys, ptrs, sizes), deadline, what)
             return self._finish_direct(future, deadline, what, lambda res: [r == 0 for r in res], len(hashes), mask)
         try:
@@ -200,8 +210,13 @@ class StorageMover(ClosesOffThread):
             return _Chunk()
         try:
             # The snapshot is taken here, while the task is live; the I/O thread only reads it.
-            for g, plan in zip(self.groups, buf.plans):
-                self.platform.run_plan(plan, list(gpu_ids), list(range(len(gpu_ids))), ops.DEVICE_TO_HOST)
+            for column, plan in enumerate(buf.plans):
+                rows, slots = self.objects.rows(column, gpu_ids, state), self.objects.slots(column, len(gpu_ids))
+                if mask is not None:
+                    on = np.flatnonzero(mask[:, column])
+                    rows, slots = [rows[i] for i in on], [slots[i] for i in on]
+                if rows:
+                    self.platform.run_plan(plan, rows, slots, ops.DEVICE_TO_HOST)
         except BaseException:
             self._staging.give_back("write", buf)
             raise
@@ -245,6 +260,7 @@ class StorageMover(ClosesOffThread):
         stats = begin_task_stats()
         hashes = read_span(task.keys, task.start_read_block_idx)
         check_block_ids(task.gpu_block_ids, hashes, self.device_blocks, "read")
+        state = self._check_state(task.state_slot)
         # No exists() first: a get of an absent object is a miss as cheap as asking, and asking
         # cost every read one more backend round trip.  The first short chunk ends the read.
         loaded, late = 0, None
@@ -260,19 +276,25 @@ class StorageMover(ClosesOffThread):
                 break
         moved = self.objects.nbytes(self.objects.without_windows(loaded), loaded)
         if loaded and self.objects.windowed and late is None:
-            loaded, window_bytes = self._read_windows(hashes[:loaded], task.gpu_block_ids[:loaded], deadline)
+            loaded, window_bytes = self._read_windows(hashes[:loaded], task.gpu_block_ids[:loaded], deadline, state)
             moved += window_bytes
         return Outcome(list(task.gpu_block_ids[:loaded]), moved, late, stats.calls, stats.failures)
 
-    def _read_windows(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float) -> tuple[int, int]:
-        """The windowed groups' objects of the run's last blocks: (the run they complete, bytes).  A
-        run whose window was never stored (it ended inside a longer write) is cut back to the
-        longest one whose window was; 0 when there is none."""
+    def _read_windows(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float,
+                      state: int | None) -> tuple[int, int]:
+        """The windowed groups' objects of the run's last blocks, and the state groups' of its last
+        block into the state slot: (the run they complete, bytes).  A run whose window was never
+        stored (it ended inside a longer write) is cut back to the longest one whose window was; 0
+        when there is none."""
         end = len(hashes)
+        if not self.objects.window_mask(1, state).any():  # no window to load (state groups, no slot)
+            return end, 0
         for attempt in range(2):
-            first = max(0, end - max(g.window for g in self.groups if g.window is not None))
-            mask = self.objects.window_mask(end)[first:]
-            if self._read_chunk(hashes[first:end], gpu_ids[first:end], deadline, mask).blocks == end - first:
+            need = self.objects.window_mask(end, state)
+            first = int(np.flatnonzero(need.any(axis=1))[0]) if need.any() else end
+            mask = need[first:]
+            if self._read_chunk(hashes[first:end], gpu_ids[first:end], deadline, mask,
+                                state).blocks == end - first:
                 return end, self.objects.nbytes(mask, end - first)
             if attempt:
                 break
@@ -282,19 +304,19 @@ class StorageMover(ClosesOffThread):
             found, _ = self._wait(future, deadline, "window query") if future is not None else (None, False)
             if found is None:
                 break
-            end = self.objects.window_end(self.objects.per_group([f == 1 for f in found], everywhere), end)
+            end = self.objects.window_end(self.objects.per_group([f == 1 for f in found], everywhere), end, state)
             if end == 0:
                 break
         return 0, 0
 
     def _read_chunk(self, hashes: Sequence[str], gpu_ids: Sequence[int], deadline: float,
-                    mask: np.ndarray | None) -> _Chunk:
+                    mask: np.ndarray | None, state: int | None = None) -> _Chunk:
         keys = self._all_keys(hashes, mask)
         what = f"read of {len(hashes)} blocks"
         want = self.objects.sizes(len(hashes), mask)
         full = lambda res: (np.array(res, dtype=np.int64) == want).tolist()  # noqa: E731
         if self.direct:
-            ptrs, sizes = self.objects.direct(gpu_ids, mask)
+            ptrs, sizes = self.objects.direct(gpu_ids, mask, state)
             future = self._start("read", lambda: self.backend.batch_get_multi(keys, ptrs, sizes), deadline, what)
             return self._finish_direct(future, deadline, what, full, len(hashes), mask)
         try:
@@ -325,17 +347,18 @@ class StorageMover(ClosesOffThread):
                 self.log.error("storage %s finished after its deadline: nothing scattered", what)
                 loaded = 0
             if loaded:  # only the good prefix, only in time
-                self._scatter(buf, gpu_ids[:loaded], range(loaded), mask=mask)
+                self._scatter(buf, gpu_ids[:loaded], range(loaded), mask=mask, state=state)
         finally:
             self._staging.give_back("read", buf)
         return _Chunk(loaded)
 
     def _scatter(self, buf: StagingBuffer, gpu_ids: Sequence[int], slots: Sequence[int], bulk: bool = False,
-                 mask: np.ndarray | None = None) -> None:
-        """Staging slots ``slots`` into device blocks ``gpu_ids``, each group where ``mask`` (rows of
-        the slots) asked for it."""
+                 mask: np.ndarray | None = None, state: int | None = None) -> None:
+        """Staging slots ``slots`` into device blocks ``gpu_ids`` (a state group: the state slot),
+        each group where ``mask`` (rows of the slots) asked for it."""
         for column, plan in enumerate(buf.plans):
-            ids, at = list(gpu_ids), list(slots)
+            ids = self.objects.rows(column, gpu_ids, state)
+            at = [0] * len(ids) if self.groups[column].per_request else list(slots)
             if mask is not None:
                 on = np.flatnonzero(mask[:len(ids), column])
                 ids, at = [ids[i] for i in on], [at[i] for i in on]

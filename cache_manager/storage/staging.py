@@ -30,12 +30,16 @@ class StagingBuffer:
 
 class StagingBuffers:
     def __init__(self, platform: Platform, backend: KVCacheStorage, tensors_per_kind: Sequence[list[Any]],
-                 object_bytes: Sequence[int], max_blocks: int, per_direction: int):
+                 object_bytes: Sequence[int], max_blocks: int, per_direction: int,
+                 slots: Sequence[int] | None = None):
+        """``slots``: per kind, its slots (default ``max_blocks``; a state group's object is one per
+        task, in slot 0)."""
         self._platform = platform
         self._backend = backend
         self._tensors = list(tensors_per_kind)
         self._object_bytes = list(object_bytes)  # one block of one kind, all layers
         self._max_blocks = max_blocks
+        self._slots = list(slots) if slots is not None else [max_blocks] * len(self._object_bytes)
         self._per_direction = per_direction
         self._free: dict[str, queue.SimpleQueue] = {d: queue.SimpleQueue() for d in DIRECTIONS}
         self._all: list[StagingBuffer] = []
@@ -48,7 +52,7 @@ class StagingBuffers:
                 return
             for direction in DIRECTIONS:
                 for _ in range(self._per_direction):
-                    ptrs = [self._platform.host_alloc(self._max_blocks * size) for size in self._object_bytes]
+                    ptrs = [self._platform.host_alloc(n * size) for n, size in zip(self._slots, self._object_bytes)]
                     plans = [self._platform.plan_layout(tensors, ptr, list(tensors[0].shape))
                              for tensors, ptr in zip(self._tensors, ptrs)]
                     buf = StagingBuffer(ptrs, plans)
@@ -62,8 +66,8 @@ class StagingBuffers:
     def register(self, buf: StagingBuffer) -> None:
         """Register ``buf`` with the backend, once (on the I/O thread when the path changed late)."""
         if not buf.registered:
-            for size, ptr in zip(self._object_bytes, buf.ptrs):
-                self._backend.register_buffer(ptr, self._max_blocks * size)
+            for n, size, ptr in zip(self._slots, self._object_bytes, buf.ptrs):
+                self._backend.register_buffer(ptr, n * size)
             buf.registered = True
 
     def take(self, direction: str) -> StagingBuffer:

@@ -33,10 +33,20 @@ def swap_task(event: CacheStatus, gpu_block_ids: Any, cpu_block_ids: Any, swap_n
             "cpu_block_ids": block_ids(cpu_block_ids, "cpu_block_ids")}
 
 
+def state_slot(slot: Any, slots: int, what: str = "state_slot") -> int:
+    """A request's slot of the cache layout's state groups (``slots`` of them; 0: none)."""
+    if not slots:
+        raise ValueError(f"{what} {slot!r}: this cache layout has no state group")
+    if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)) or not 0 <= slot < slots:
+        raise ValueError(f"{what} {slot!r} must be an integer in [0, {slots})")
+    return int(slot)
+
+
 def storage_task(event: CacheStatus, keys: Sequence[str], gpu_block_ids: Any, token_ids: Sequence[int] | None,
-                 timeout: float, start_read_block_idx: int | None = None) -> dict:
+                 timeout: float, start_read_block_idx: int | None = None, state_slot: int | None = None) -> dict:
     """A GPU2STORAGE task, or (with ``start_read_block_idx``) a STORAGE2GPU one; ``timeout`` is the
-    ranks' own, past which they answer with 0 blocks."""
+    ranks' own, past which they answer with 0 blocks.  ``state_slot`` (checked by the caller): the
+    request's state, stored with the write's last block, loaded with the read run's last."""
     if start_read_block_idx is not None and (not isinstance(start_read_block_idx, int) or start_read_block_idx < 0):
         raise ValueError(f"start_read_block_idx {start_read_block_idx!r} must be a non-negative integer")
     if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
@@ -45,4 +55,6 @@ def storage_task(event: CacheStatus, keys: Sequence[str], gpu_block_ids: Any, to
             "token_ids": block_ids(token_ids or [], "token_ids"), "timeout": timeout}
     if start_read_block_idx is not None:
         task["start_read_block_idx"] = start_read_block_idx
+    if state_slot is not None:
+        task["state_slot"] = state_slot
     return task

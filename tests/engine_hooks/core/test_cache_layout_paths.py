@@ -211,3 +211,46 @@ def test_a_layout_mismatch_at_link_names_the_group_and_field():
             local_instance(other, "decode-0", tp=TP, num_cpu_blocks=4) as (_, d):
         with pytest.raises(Exception, match="cache group 'latent_caches' block_shape differs"):
             d.link(p.descriptor(["ipc"]), transport="ipc")
+
+
+def test_a_requests_state_is_stored_once_with_the_writes_last_block_and_loaded_at_the_runs_end(tmp_path):
+    """qwen3-next: the conv and SSM state of a request (its slot, not its blocks) is one object per
+    write, under the write's last block; a read loads it into the slot it names, and a run that
+    ends where no write ended is cut back to one that did."""
+    svc = start_service(layout("qwen3-next"), tp=TP, num_cpu_blocks=4, storage_backend="file",
+                        storage_options={"root": str(tmp_path), "fsync": False})
+    try:
+        fill_distinct(svc, seed=14)
+        keys = chain_hash_ids([f"hybrid-{i}" for i in range(5)])
+        state = {k: v.copy() for k, v in views(svc).items() if k in state_keys(svc)}
+        src = [1, 2, 3, 4, 5]
+        source = blocks(svc, src, set(state))
+        assert svc.write_storage(keys[:3], src[:3], state_slot=1).result(timeout=30) == src[:3]
+        slot1 = {k: v[1].copy() for k, v in state.items()}
+        for k in state:  # the request goes on: its state changes before the longer write
+            views(svc)[k][1] = np.roll(views(svc)[k][1], 1)
+        assert svc.write_storage(keys, src, state_slot=1).result(timeout=30) == src
+        ns = str(svc.namespace())
+        for rank in range(TP):
+            probe = FileStore(ns, rank, {"root": str(tmp_path), "fsync": False})
+            try:
+                for tag in ("conv_state", "ssm_state"):  # once per write, under its last block
+                    assert probe.exists([storage_key(ns, h, rank, tag) for h in keys]) == [0, 0, 1, 0, 1], tag
+            finally:
+                probe.close()
+
+        got = svc.read_storage(keys[:4], [9, 10, 11, 12], state_slot=3).result(timeout=30)
+        assert got == [9, 10, 11], "the run is cut back to the end of the first write"
+        same({k: v[:3] for k, v in blocks(svc, [9, 10, 11, 12], set(state)).items()},
+             {k: v[:3] for k, v in source.items()})
+        for k, want in slot1.items():
+            assert np.array_equal(views(svc)[k][3], want), k
+        assert svc.read_storage(keys[:2], [13, 14], state_slot=3).result(timeout=30) == []
+        before = {k: views(svc)[k].copy() for k in state}
+        assert svc.read_storage(keys, [9, 10, 11, 12, 13]).result(timeout=30) == [9, 10, 11, 12, 13]  # no slot:
+        for k in state:  # blocks only
+            assert np.array_equal(views(svc)[k], before[k]), k
+        with pytest.raises(ValueError, match="state_slot 99 must be an integer in"):
+            svc.write_storage(keys, src, state_slot=99)
+    finally:
+        svc.shutdown()
