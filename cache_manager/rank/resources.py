@@ -129,8 +129,8 @@ class RankResources:
         return [g for g in self.groups if g.moves_by_block]
 
     def layer_counts(self) -> dict[str, int]:
-        """Per block group, how many layer tensors it has (a peer's exports must match)."""
-        return {g.kind: len(g.tensors) for g in self.block_groups()}
+        """Per group, how many layer tensors it has (a peer's exports must match)."""
+        return {g.kind: len(g.tensors) for g in self.groups}
 
     @staticmethod
     def rows(group: CacheGroup, layers: range) -> range:

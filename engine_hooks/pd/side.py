@@ -37,14 +37,15 @@ import numpy as np
 
 from cache_manager.cache_data import CacheStatus
 from cache_manager.layer_progress import LayerwiseRef
+from cache_manager.rank.peer.tp_rules import tp_heads
 from ops.procs import ProcessWatch, process_argv
 from ops.shm import SharedMemorySegment
-from cache_manager.rank.peer.tp_rules import tp_heads
 from transfer_factory.peer.handles import (BOARD_BYTES, BOARD_WORDS, DEFAULT_TTL_S, NO_GENERATION, ExposureBoard,
                                            TransferHandle)
 from transfer_factory.peer.heads import writers
 
 from ..core.wire_tasks import block_ids
+from ..core.wire_tasks import state_slot as wire_state_slot
 from .leases import LeaseReaper
 from .push import PushTarget, check_writers
 
@@ -205,9 +206,10 @@ class PrefillDecode:
     # ------------------------------------------------------------------ decode side
     def pull_blocks(self, peer_id: str, handle: TransferHandle | dict, src_blocks: Any, dst_blocks: Any,
                     placement: str = "device", layers: tuple[int, int] | None = None,
-                    timeout: float | None = None):
+                    timeout: float | None = None, state_slots: tuple[int, int] | None = None):
         """Read the peer's ``src_blocks`` exposed under ``handle`` into this instance's
-        ``dst_blocks`` (device blocks, or swap slots with ``placement="host"``)."""
+        ``dst_blocks`` (device blocks, or swap slots with ``placement="host"``), and with
+        ``state_slots`` (the peer's slot, this instance's) the request's state groups once."""
         if peer_id not in self._links:
             raise ValueError(f"instance {peer_id!r} is not linked (linked: {sorted(self._links) or 'none'})")
         if isinstance(handle, TransferHandle):
@@ -220,7 +222,17 @@ class PrefillDecode:
                 "src_block_ids": src, "dst_block_ids": dst, "placement": placement}
         if layers is not None:
             task["layers"] = [int(layers[0]), int(layers[1])]
+        if state_slots is not None:
+            task["state_slots"] = self._state_slots(state_slots, mine=1)
         return self._svc.submit(task, timeout)
+
+    def _state_slots(self, slots: Any, mine: int) -> list[int]:
+        """(source, destination) state slots; ``slots[mine]`` is this instance's."""
+        if not isinstance(slots, (list, tuple)) or len(slots) != 2:
+            raise ValueError(f"state_slots {slots!r:.60} must be (source slot, destination slot)")
+        out = [wire_state_slot(slots[0], 1 << 40, "state_slots[0]"), wire_state_slot(slots[1], 1 << 40, "state_slots[1]")]
+        wire_state_slot(out[mine], self._svc.layout.request_slots, f"state_slots[{mine}]")
+        return out
 
     # ------------------------------------------------------------------ push
     def receive_push(self, peer_id: str, dst_blocks: Any, timeout: float | None = None) -> PushTarget:
@@ -241,7 +253,7 @@ class PrefillDecode:
                           writer_gone=lambda writer: writer in procs and procs[writer].gone())
 
     def push_blocks(self, peer_id: str, ticket: dict, src_blocks: Any, layerwise: bool = True,
-                    timeout: float | None = None):
+                    timeout: float | None = None, state_slots: tuple[int, int] | None = None):
         """Prefill side: write ``src_blocks`` into the blocks the decode instance reserved
         (``ticket``), each layer as soon as ``future.layer_computed(n)`` says it is computed
         (``layerwise=True``), or all at once."""
@@ -255,6 +267,8 @@ class PrefillDecode:
             raise ValueError(f"src_blocks has {len(src)} ids but the ticket reserved {len(dst)}")
         task = {"event_type": int(CacheStatus.PEER_PUSH), "peer": peer_id, "target": target.to_wire(),
                 "src_block_ids": src, "dst_block_ids": dst}
+        if state_slots is not None:
+            task["state_slots"] = self._state_slots(state_slots, mine=0)
         return self._svc._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=True)
 
     # ------------------------------------------------------------------ lifetime

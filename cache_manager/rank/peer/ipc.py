@@ -35,7 +35,7 @@ class IpcChannel(PeerChannel):
         if not self._platform.exports_device_memory:
             return None
         regions = [Region(g.kind, layer, *self._platform.exported_region(t))
-                   for g in self._resources.block_groups() for layer, t in enumerate(g.tensors)]
+                   for g in self._resources.groups for layer, t in enumerate(g.tensors)]
         return ipc_params(regions, boards.board, boards.layer_board, boards.engine_pid)
 
     def open(self, peer: PeerDescriptor, kinds: dict[str, int], name: str) -> IpcPeer:

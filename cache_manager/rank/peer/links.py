@@ -71,7 +71,7 @@ class PeerLinks:
     # ------------------------------------------------------------------ describe
     def _kinds(self) -> dict[str, int]:
         """Per cache kind, the bytes of one block of one layer."""
-        return {g.kind: describe_caches(g.tensors)[1] for g in self._resources.block_groups()}
+        return {g.kind: describe_caches(g.tensors)[1] for g in self._resources.groups}
 
     def _layout(self) -> PeerLayout:
         ns = self._resources.namespace()
@@ -117,6 +117,7 @@ class PeerLinks:
         if not isinstance(peer_wires, list) or not peer_wires:
             raise ValueError("pd_link needs the peer instance's descriptors, one per rank")
         peers = [PeerDescriptor.from_wire(w) for w in peer_wires]
+        refuse_layout(self._cache_layout, self._heads, self._tp, len(peers))  # names the group a TP change breaks
         for index, peer in enumerate(peers):
             if (peer.rank, peer.tp, peer.instance_id) != (index, len(peers), peers[0].instance_id):
                 raise ValueError(f"peer descriptor {index} is rank {peer.rank} of {peer.tp} of {peer.instance_id!r}: "
@@ -125,7 +126,6 @@ class PeerLinks:
             if peer.generation == NO_GENERATION or peer.generation != peers[0].generation:
                 raise ValueError(f"peer descriptor {index} names no generation of its engine's caches "
                                  f"({peer.generation}): describe the peer again once its caches are attached")
-        refuse_layout(self._cache_layout, self._heads, self._tp, len(peers))
         mine, theirs = local.layout, peers[0].layout
         args = (self._rank, self._tp, mine.kv_heads, len(peers), theirs.kv_heads, mine.mla)
         pulls, pushes = reader_spans(*args), writer_spans(*args)

@@ -35,16 +35,16 @@ class TePeer:
         """``kinds``: per cache group, its bytes per block; ``layer_counts``: its layer tensors."""
         self.address = str(params["address"])
         bases: dict[str, list[int]] = {}
-        capacity = None
+        capacities: dict[str, int] = {}
         for kind, layer, ptr, nbytes in params["regions"]:
             if kind not in kinds or not 0 <= layer < layer_counts[kind] or nbytes % kinds[kind]:
                 raise PeerError(f"{name}: Transfer Engine region {kind!r} layer {layer} does not fit this layout")
             bases.setdefault(kind, [0] * layer_counts[kind])[layer] = int(ptr)
-            capacity = nbytes // kinds[kind] if capacity is None else min(capacity, nbytes // kinds[kind])
+            capacities[kind] = min(capacities.get(kind, nbytes // kinds[kind]), nbytes // kinds[kind])
         if set(bases) != set(kinds) or any(0 in v for v in bases.values()):
             raise PeerError(f"{name}: Transfer Engine regions do not cover every kind and layer")
         self.bases = {k: np.asarray(v, dtype=np.int64) for k, v in bases.items()}
-        self.capacity = capacity or 0  # the fewest blocks of any of the peer's layers
+        self.capacities = capacities  # per kind, the fewest blocks (state: slots) of any of the peer's layers
         self.board = int(params["board"])
         self.layer_board = int(params["layer_board"])
 
@@ -84,12 +84,12 @@ class TransferEngineChannel(PeerChannel):
             self._boards = mapped
             board, layer_board = (_address(segment) for segment in mapped.values())
             regions = [[g.kind, layer, int(t.data_ptr()), int(np.prod(t.shape)) * t.element_size()]
-                       for g in self._resources.block_groups() for layer, t in enumerate(g.tensors)]
+                       for g in self._resources.groups for layer, t in enumerate(g.tensors)]
         return {"address": address, "regions": regions, "board": board, "layer_board": layer_board}
 
     def _sync_memory(self) -> None:
         wanted = {}
-        for g in self._resources.block_groups():
+        for g in self._resources.groups:
             for t in g.tensors:
                 wanted[int(t.data_ptr())] = int(np.prod(t.shape)) * t.element_size()
             for ptr in g.host_ptrs:
@@ -141,12 +141,12 @@ class TransferEngineChannel(PeerChannel):
         jobs = []
         for route in routes:
             peer: TePeer = route.peer.state
-            _check_ids(remote_ids, peer.capacity, "source" if pull else "destination")
             local_addrs: list[int] = []
             remote_addrs: list[int] = []
             lengths: list[int] = []
             for group in sides:
                 kind, local, rows, first = group.kind, group.side, group.rows, group.first
+                _check_ids(remote_ids, peer.capacities[kind], "source" if pull else "destination")
                 peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
                 runs = coalesce(block_addresses(local.bases + local_off, local.stride, local_ids[first:], rows),
                                 block_addresses(peer.bases[kind] + peer_off, route.peer.kind_bytes[kind],

@@ -9,9 +9,9 @@ A group's TP rule (``cache_manager.cache_layout.TensorGroup.tp``) decides:
 - ``unsplittable``: only ranks of the same TP size exchange it.
 
 One link moves every block group over the same head spans, so a layout's block groups must agree:
-all split with one head count, or all replicated.  A layout with a state group (one slot per
-request, not per block) is refused over P/D: its slots are not addressed by the block ids a pull
-or push carries.
+all split with one head count, or all replicated.  A state group (one slot per request, not per
+block) moves whole slots between ranks of the same index, so only between instances of one TP size;
+ranks of other TP sizes would have to re-slice its heads, which is refused naming the group.
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def refuse_layout(layout: CacheLayout, heads: tuple[int, bool, str | None], tp: 
     """Raise ``ValueError`` naming the group and its rule when this layout cannot be linked to an
     instance of TP size ``peer_tp`` (this one's is ``tp``)."""
     state = [g for g in layout.groups if g.per_request]
-    if state:
-        raise ValueError(f"cannot link: cache group {state[0].name!r} is a state group (one slot per request, "
-                         f"TP rule {state[0].tp}); prefill/decode transfers move blocks, not request slots")
+    if state and tp != peer_tp:
+        raise ValueError(f"cannot link TP {tp} to TP {peer_tp}: cache group {state[0].name!r} is a state group "
+                         f"(one slot per request, TP rule {state[0].tp}) and moves whole between ranks of one TP size")
     if tp != peer_tp and heads[2] is not None:
         raise ValueError(f"cannot link TP {tp} to TP {peer_tp}: cache group {heads[2]}")

@@ -69,6 +69,11 @@ class PeerTransfers:
         sides = self._sides(task.placement, layers, len(task.dst_block_ids))
         moved, inflight = link.channel.move(link, link.pull_routes, sides, True, task.dst_block_ids,
                                             task.src_block_ids, layers, task.placement, deadline)
+        if inflight is None and task.state_slots is not None:  # the request's state, once, after its blocks
+            src, dst = task.state_slots
+            state, inflight = link.channel.move(link, link.pull_routes, self._state_sides(), True, [dst], [src],
+                                                layers, "device", deadline)
+            moved += state
         if inflight is not None:  # bytes may still land in the destination: fail now, release later
             return Outcome(value=[], still_running=self._late.watch(inflight), error=(
                 f"PeerError: {link.name} at {link.where}: the pull was still running at its deadline (the peer "
@@ -109,6 +114,11 @@ class PeerTransfers:
                 sides = self._sides("device", step, len(task.dst_block_ids))
                 written, inflight = link.channel.move(link, link.push_routes, sides, False, task.src_block_ids,
                                                       task.dst_block_ids, step, "device", deadline)
+                if inflight is None and task.state_slots is not None and step.stop == num_layers:
+                    src, dst = task.state_slots  # the request's state, once, before its last layer is published
+                    state, inflight = link.channel.move(link, link.push_routes, self._state_sides(), False, [src],
+                                                        [dst], step, "device", deadline)
+                    written += state
                 moved += written
                 if inflight is not None:  # may still land: FAILED only once it ended
                     return Outcome(value=[], bytes_moved=moved, still_running=self._late.watch(
@@ -184,6 +194,13 @@ class PeerTransfers:
             out.append(GroupSide(g.kind, self._local_side(g, placement), self._resources.rows(g, layers),
                                  0 if window is None else max(0, blocks - window)))
         return out
+
+    def _state_sides(self) -> list[GroupSide]:
+        """The state groups' part of a transfer: one slot, every layer the group has."""
+        groups = [g for g in self._resources.groups if not g.moves_by_block]
+        if not groups:
+            raise ValueError("state_slots: this cache layout has no state group")
+        return [GroupSide(g.kind, self._local_side(g, "device"), range(len(g.tensors))) for g in groups]
 
     def _local_side(self, group: Any, placement: str) -> Side:
         if placement == "host":

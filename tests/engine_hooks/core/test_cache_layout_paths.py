@@ -187,7 +187,7 @@ def test_replicated_groups_are_read_from_one_rank_across_tp_sizes(name, p_tp, d_
             assert np.array_equal(got, src[(0, group, i)]), (rank, group, i)
 
 
-def test_a_split_layout_links_across_tp_sizes_by_heads_and_a_state_layout_is_refused_naming_its_group():
+def test_a_split_layout_links_across_tp_sizes_by_heads():
     with local_instance(layout("qwen3-235b", 1), "prefill-0", tp=1, num_cpu_blocks=4) as (p_svc, p), \
             local_instance(layout("qwen3-235b", 2), "decode-0", tp=2, num_cpu_blocks=4) as (d_svc, d):
         fill_distinct(p_svc, seed=10)
@@ -199,10 +199,6 @@ def test_a_split_layout_links_across_tp_sizes_by_heads_and_a_state_layout_is_ref
             heads = whole.reshape(1, 4, -1)[:, rank * 2:(rank + 1) * 2].reshape(got.shape)
             assert np.array_equal(got, heads), (rank, group, i)
 
-    with local_instance(layout("qwen3-next"), "prefill-0", tp=TP, num_cpu_blocks=4) as (_, p), \
-            local_instance(layout("qwen3-next"), "decode-0", tp=TP, num_cpu_blocks=4) as (_, d):
-        with pytest.raises(Exception, match="cache group 'conv_state' is a state group"):
-            d.link(p.descriptor(["ipc"]), transport="ipc")
 
 
 def test_a_layout_mismatch_at_link_names_the_group_and_field():
@@ -254,3 +250,39 @@ def test_a_requests_state_is_stored_once_with_the_writes_last_block_and_loaded_a
             svc.write_storage(keys, src, state_slot=99)
     finally:
         svc.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["ipc", "mooncake"])
+def test_a_requests_state_moves_once_over_pd_with_its_blocks(transport):
+    """qwen3-next: a pull or push names the request's state slots (source, destination); the state
+    groups move that one slot, every other slot keeps its bytes.  Across TP sizes the link is
+    refused naming the state group."""
+    with local_instance(layout("qwen3-next"), "prefill-0", tp=TP, num_cpu_blocks=4) as (p_svc, p), \
+            local_instance(layout("qwen3-next"), "decode-0", tp=TP, num_cpu_blocks=4) as (d_svc, d):
+        fill_distinct(p_svc, seed=15)
+        fill_distinct(d_svc, seed=16)
+        state = state_keys(p_svc)
+        link_both(p, d, transport)
+        handle = p.expose("hybrid")
+        before = {k: views(d_svc)[k].copy() for k in state}
+        assert d.pull_blocks("prefill-0", handle, [1, 2], [5, 6], state_slots=(1, 2)).result(timeout=30) == [5, 6]
+        same(blocks(d_svc, [5, 6], state), blocks(p_svc, [1, 2], state))
+        for k in state:
+            want = before[k].copy()
+            want[2] = views(p_svc)[k][1]
+            assert np.array_equal(views(d_svc)[k], want), k
+
+        target = d.receive_push("prefill-0", [7, 8], timeout=30)
+        future = p.push_blocks("decode-0", target.ticket, [3, 4], layerwise=False, timeout=30, state_slots=(3, 0))
+        assert target.result(timeout=20) == [7, 8] and future.result(timeout=20) == [7, 8]
+        same(blocks(d_svc, [7, 8], state), blocks(p_svc, [3, 4], state))
+        for k in state:
+            assert np.array_equal(views(d_svc)[k][0], views(p_svc)[k][3]), k
+        assert target.close()
+        with pytest.raises(ValueError, match=r"state_slots\[1\] 9 must be an integer in \[0, 4\)"):
+            d.pull_blocks("prefill-0", handle, [1], [5], state_slots=(1, 9))
+
+    with local_instance(layout("qwen3-next", 1), "prefill-0", tp=1, num_cpu_blocks=4) as (_, p), \
+            local_instance(layout("qwen3-next"), "decode-0", tp=TP, num_cpu_blocks=4) as (_, d):
+        with pytest.raises(Exception, match="cache group 'conv_state' is a state group"):
+            d.link(p.descriptor(["ipc"]), transport="ipc")
