@@ -286,3 +286,33 @@ def test_a_requests_state_moves_once_over_pd_with_its_blocks(transport):
             local_instance(layout("qwen3-next"), "decode-0", tp=TP, num_cpu_blocks=4) as (_, d):
         with pytest.raises(Exception, match="cache group 'conv_state' is a state group"):
             d.link(p.descriptor(["ipc"]), transport="ipc")
+
+
+@pytest.mark.parametrize("name", ["deepseek-v4", "qwen3-next"])
+def test_a_window_and_a_state_round_trip_through_a_mooncake_pool(name, tmp_path):
+    """The same objects through a real mooncake_master and store clients: the window of the write's
+    end, the request's state under its last block; a run ending inside the write is cut back."""
+    pytest.importorskip("mooncake.store")
+    from scripts.local_mooncake_master import LocalMooncakeMaster
+
+    with LocalMooncakeMaster(log_dir=str(tmp_path)) as master:
+        options = {**master.config(), "global_segment_size": 32 << 20, "local_buffer_size": 16 << 20}
+        svc = start_service(layout(name), tp=TP, num_cpu_blocks=4, storage_backend="mooncake",
+                            storage_options=options)
+        try:
+            fill_distinct(svc, seed=17)
+            state = state_keys(svc)
+            slot = {"state_slot": 1} if state else {}
+            keys = chain_hash_ids([f"pool-{name}-{i}" for i in range(3)])
+            source = blocks(svc, [1, 2, 3], state)
+            assert svc.write_storage(keys, [1, 2, 3], **slot).result(timeout=30) == [1, 2, 3]
+            want = windowed(svc, blocks(svc, [4, 5, 6], state), source, aligned=True)
+            kept = {k: views(svc)[k][1].copy() for k in state}
+            into = {"state_slot": 2} if state else {}
+            assert svc.read_storage(keys, [4, 5, 6], **into).result(timeout=30) == [4, 5, 6]
+            same(blocks(svc, [4, 5, 6], state), want)
+            for k, v in kept.items():
+                assert np.array_equal(views(svc)[k][2], v), k
+            assert svc.read_storage(keys[:2], [7, 8], **into).result(timeout=30) == []  # no window, no state there
+        finally:
+            svc.shutdown()
