@@ -1,47 +1,24 @@
 """Read-storage and write-storage tasks of one CTM rank over an object store (DESIGN §3.1, §3.3,
 §3.7, §3.8, §4): file, Mooncake.  Backends that move device blocks themselves (EMS,
-AttentionStore) go through ``device_storage_mover.DeviceStorageMover`` instead.
+AttentionStore) go through ``device_mover.DeviceStorageMover`` instead.
 
-One storage object is one block of one rank for all layers of one cache group (K, V, an fp8
-scale, or a group of a grouped layout), keyed ``{namespace}/{block hash}/{rank}/{tag}``
-(``block_objects``); a sliding-window group's only for the blocks inside its window at the end of
-the write.  Two ways to
-move the bytes, chosen from what the platform and the backend say they can do:
+One storage object is one block of one rank for all layers of one cache group, keyed
+``{namespace}/{block hash}/{rank}/{tag}``; which objects a task moves is ``block_objects``'s (a
+sliding window's only at the end of a write, a request's state once per write).  The bytes move
+**staged** (the default: through registered staging buffers, so a backend call that outlives its
+task touches only its buffer; a write runs under the task's ``CommitLease``; a late commit of a
+backend that cannot refuse one stores the snapshot only and answers ``Outcome.still_storing``;
+the file store is read in cache-sized pieces scattered under a ``ScatterLease``) or **direct**
+(opt-in: the backend gathers and scatters the device blocks itself; a call past its deadline
+keeps its blocks, ``released=False``, and later transfers stage).  docs/storage.md has the whole
+story and the deviation from DESIGN §3.8 it makes for late commits.
 
-* **staged** (the default for host-staged backends): a write packs the blocks into a
-  registered block-major staging buffer on the task's thread, before the deadline, and the
-  backend stores from there; a read has the backend fill a staging buffer and scatters it
-  into the device blocks on the task's thread, only if the whole call succeeded before the
-  deadline.  A backend call that outlives its task touches only its staging buffer, which
-  stays out of use until the call returns: a late call can neither change a device block
-  nor store bytes the engine wrote after the task.  A write call runs under the task's
-  ``CommitLease`` (``write_leases``), revoked before the task answers; a backend that honours
-  leases (the file store) then commits nothing.  A call that had begun committing, or whose
-  backend cannot honour a lease (Mooncake's put is one call), may still store its objects
-  after the answer, a deviation from DESIGN §3.8 with the snapshot's bytes only: the task
-  answers at its deadline with the leading run stored before it (that chunk counts 0 blocks)
-  and its device blocks released (``Outcome.still_storing``, not ``still_running``), so
-  neither the engine's done signal nor a later task on those blocks waits for a frozen
-  store; the rank still counts the call as a task in flight, so a drain or an RL clear waits
-  for it before it closes the store or frees the caches.  A backend that reads by CPU copies
-  (``staged_read_piece_bytes``, the file store), on a platform whose copies cannot stall,
-  is read in pieces when a chunk spans several: the I/O thread reads a piece into the first
-  staging slots and scatters it while it is still in the CPU cache, under a ``ScatterLease``
-  that the task revokes before it answers, so nothing reaches a device block once the task
-  has answered.
-* **direct** (``--storage_transfer direct``, backends with multi-buffer calls): the backend
-  gathers/scatters a block's layers straight from/to the device caches.  A direct call that
-  outlives its task still touches device blocks, so the rank answers in time (0 blocks)
-  with ``released=False`` and reports the release when the call returns; the engine keeps
-  those blocks until then (two-phase completion).  Later transfers of the rank stage.
-
-Writes are write-through and skip the leading blocks already stored.  Reads load the
-leading run of blocks present and intact for every group, then the windowed groups' objects of
-the run's last blocks; a run whose window was never stored is cut back to one whose window was.  Every backend call runs on a
-per-direction I/O thread with a bounded backlog; a call whose deadline passed before it
-started is cancelled and never starts, and a full backlog or no free staging buffer
-(``staging`` owns them) fails the chunk at once with a log line, so a stuck backend shows up as
-failed tasks, never as memory growth or a hang.
+Writes are write-through and skip the leading blocks already stored.  Reads load the leading run
+of blocks present and intact for every group, then the windowed and state groups' objects of the
+run's end; a run whose window or state was never stored is cut back to one whose was.  Every
+backend call runs on a per-direction I/O thread with a bounded backlog; a call whose deadline
+passed before it started never starts, and a full backlog or no free staging buffer fails the
+chunk at once with a log line: a stuck backend shows as failed tasks, never as growth or a hang.
 """
 from __future__ import annotations
 
