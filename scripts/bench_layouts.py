@@ -21,7 +21,9 @@ blocks).  Per repetition, on fresh random block ids, timed from the engine:
   raw_file        floor of storage: each rank's bytes as one new file written (no fsync: the store
                   runs with fsync off) and read back, the ranks in parallel threads (bench_storage's
                   floor of the file backend's default path)
-  storage         D.write_storage of N blocks under fresh keys, then D.read_storage into others
+  storage         D.write_storage of N blocks under fresh keys, then D.read_storage into others;
+                  a sliding-window group keeps objects only for the blocks inside its window at
+                  the end of the write, so its bytes (and the floor's) are those
   ipc_pull        D.pull_blocks from P over the same-host path (``ipc``), against memcpy of the
                   bytes it moves (a sliding-window group moves only its window: its last blocks)
   te_pull         the same over the Mooncake Transfer Engine (TCP on loopback), against the raw
@@ -118,6 +120,23 @@ def pd_bytes(layout: CacheLayout, n: int) -> int:
     return sum(g.block_bytes * len(g.layers) * (n - first[g.name]) for g in layout.block_groups())
 
 
+def storage_blocks(layout: CacheLayout, n: int) -> dict[str, int]:
+    """Per block group, how many of a write's ``n`` blocks it stores an object for: a sliding-window
+    group only those inside its window at the end of the write (a stored prefix ends at a block
+    boundary: ``window_blocks(aligned=True)``)."""
+    out = {}
+    for g in layout.block_groups():
+        w = g.window_blocks(layout.block_size, aligned=True)
+        out[g.name] = n if w is None else min(n, w)
+    return out
+
+
+def storage_bytes(layout: CacheLayout, n: int) -> int:
+    """Bytes one rank writes (and reads back) in a storage task of ``n`` blocks."""
+    stored = storage_blocks(layout, n)
+    return sum(g.block_bytes * len(g.layers) * stored[g.name] for g in layout.block_groups())
+
+
 def mem_available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -199,6 +218,7 @@ class Case:
         self.bpb = self.layout.bytes_per_block()
         self.bytes = n * self.bpb * tp  # a swap or storage task, every rank
         self.pd_bytes = pd_bytes(self.layout, n) * tp
+        self.storage_bytes = storage_bytes(self.layout, n) * tp
         self.first = window_first(self.layout, n)
         self.parts = [part for part in args.parts if part != "pd" or name not in args.skip_pd]
         self.threads = default_copy_threads() * tp
@@ -251,7 +271,7 @@ class Case:
         _block_copy.copy_contiguous(int(self.dst.ctypes.data), int(self.src.ctypes.data), nbytes, self.threads)
 
     def raw_file(self) -> dict[str, float]:
-        share = self.n * self.bpb
+        share = self.storage_bytes // self.tp
         self.tag += 1
         paths = [os.path.join(self.root, f"raw-{self.tag}-rank{r}") for r in range(self.tp)]
         t0 = time.perf_counter()
@@ -452,6 +472,7 @@ class Case:
 
         r: dict = {"preset": self.name, "tp": self.tp, "layers": self.layout.total_layers, "blocks": self.n,
                    "bytes_per_block": self.bpb, "bytes_per_task": self.bytes, "pd_bytes_per_task": self.pd_bytes,
+                   "storage_bytes_per_task": self.storage_bytes,
                    "swap_out_ratio": ratio("memcpy", "swap_out"), "swap_in_ratio": ratio("memcpy", "swap_in"),
                    "storage_write_ratio": ratio("raw_file_write", "storage_write"),
                    "storage_read_ratio": ratio("raw_file_read", "storage_read"),
@@ -460,8 +481,9 @@ class Case:
                    "pd_mooncake_over_memcpy": ratio("memcpy_te", "te_pull"),
                    "kernel_ratio": ratio("memcpy", "kernel")}
         for name, nbytes in (("memcpy", self.bytes), ("swap_out", self.bytes), ("swap_in", self.bytes),
-                             ("kernel", self.bytes), ("raw_file_write", self.bytes), ("raw_file_read", self.bytes),
-                             ("storage_write", self.bytes), ("storage_read", self.bytes),
+                             ("kernel", self.bytes), ("raw_file_write", self.storage_bytes),
+                             ("raw_file_read", self.storage_bytes), ("storage_write", self.storage_bytes),
+                             ("storage_read", self.storage_bytes),
                              ("ipc_pull", self.pd_bytes), ("raw_te_read", self.pd_bytes), ("te_pull", self.pd_bytes)):
             r[f"{name}_gbps"] = nbytes / med[name] / 1e9 if name in med else None
         for name in ("swap_tiny", "ipc_tiny", "te_tiny", "swap_out", "ipc_pull", "te_pull"):
@@ -530,7 +552,8 @@ def print_result(r: dict) -> None:
         print(f"{r['preset']:>12} TP {r['tp']}: skipped: {next(iter(r['reasons'].values()))}", flush=True)
         return
     print(f"{r['preset']:>12} TP {r['tp']}: {r['blocks']} blocks of {r['bytes_per_block'] / KiB:.0f} KiB per rank "
-          f"({r['bytes_per_task'] / MiB:.1f} MiB per task, P/D {r['pd_bytes_per_task'] / MiB:.1f} MiB), memcpy "
+          f"({r['bytes_per_task'] / MiB:.1f} MiB per task; storage {r['storage_bytes_per_task'] / MiB:.1f}, P/D "
+          f"{r['pd_bytes_per_task'] / MiB:.1f} MiB), memcpy "
           f"{fmt(r['memcpy_gbps'])} GB/s", flush=True)
     print(f"{'':>12} swap out/in {fmt(r['swap_out_ratio'])} / {fmt(r['swap_in_ratio'])} (kernel alone "
           f"{fmt(r['kernel_ratio'])}, 1-block task {fmt(r['swap_tiny_ms'])} ms) | storage write/read "

@@ -41,6 +41,7 @@ def test_bench_layouts_prints_a_ratio_or_a_reason_for_every_path(tmp_path):
     ds = by_preset["deepseek-v3"]
     # 4 layers + 1 MTP layer, each a 128 KiB latent block and a 16 KiB rope block, on one rank
     assert ds["bytes_per_block"] == 5 * (128 + 16) * 1024
+    assert ds["bytes_per_task"] == ds["storage_bytes_per_task"] == ds["pd_bytes_per_task"] == 2 * ds["bytes_per_block"]
     assert all(ds[key] is not None for key in RATIOS), ds["reasons"]
     assert {g["name"]: g["block_bytes"] for g in ds["groups"]} == {"latent_caches": 128 << 10, "rope_caches": 16 << 10}
     assert ds["te_runs_per_rank"] > 0 and ds["te_slices_per_rank"] >= ds["te_runs_per_rank"]
