@@ -35,7 +35,7 @@ from transfer_factory.keys import Namespace
 
 GROUP_KINDS = ("full", "sliding_window", "indexer", "scale", "state")
 TP_RULES = ("split", "replicated", "unsplittable")
-_GROUP_FIELDS = {"name", "dtype", "block_shape", "layers", "kind", "window", "compress", "tp", "tag"}
+_GROUP_FIELDS = {"name", "dtype", "block_shape", "layers", "kind", "window", "compress", "tp", "tag", "heads"}
 _LAYOUT_FIELDS = {"name", "num_blocks", "block_size", "num_layers", "num_extra_layers", "extra_block_ratio",
                   "state_slots", "groups"}
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_")
@@ -63,6 +63,7 @@ class TensorGroup:
     compress: int = 1  # tokens per entry
     tp: str = "split"
     tag: str = ""  # the storage key's kind; the name unless a legacy kind
+    heads: int = 0  # a split group's kv heads in the whole model, where ranks may replicate them; 0: unsaid
 
     def __post_init__(self) -> None:
         what = f"cache group {self.name!r}"
@@ -87,6 +88,13 @@ class TensorGroup:
         if self.tp not in TP_RULES:
             raise ValueError(f"{what}: tp {self.tp!r} must be one of {', '.join(TP_RULES)}")
         _positive_int(f"{what}: compress", self.compress)
+        if not isinstance(self.heads, int) or isinstance(self.heads, bool) or self.heads < 0:
+            raise ValueError(f"{what}: heads {self.heads!r} must be a non-negative integer")
+        if self.heads and self.tp != "split":
+            raise ValueError(f"{what}: heads (the model's kv heads) is for TP rule split, not {self.tp}")
+        if self.heads and self.block_shape[0] not in (max(1, self.heads // n) for n in range(1, 4097)):
+            raise ValueError(f"{what}: block_shape[0] {self.block_shape[0]} kv heads per rank cannot split "
+                             f"the model's {self.heads}")
         if self.kind == "sliding_window":
             _positive_int(f"{what}: window", self.window)
         elif self.window:
@@ -121,6 +129,8 @@ class TensorGroup:
             out["compress"] = self.compress
         if self.tag != LEGACY_TAGS.get(self.name, self.name):
             out["tag"] = self.tag
+        if self.heads:
+            out["heads"] = self.heads
         return out
 
     @classmethod
@@ -141,7 +151,7 @@ class TensorGroup:
                 raise ValueError(f"{where}: layers {value['layers']!r} is not a range ({exc})") from None
         return cls(name=value["name"], dtype=value["dtype"], block_shape=value["block_shape"], layers=layers,
                    kind=value.get("kind", "full"), window=value.get("window", 0), compress=value.get("compress", 1),
-                   tp=value.get("tp", "split"), tag=value.get("tag", ""))
+                   tp=value.get("tp", "split"), tag=value.get("tag", ""), heads=value.get("heads", 0))
 
 
 @dataclass(frozen=True)

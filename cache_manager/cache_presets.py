@@ -72,10 +72,11 @@ def gpt_oss(num_blocks: int, layers: int | None, scale: int, tp: int) -> CacheLa
     heads = max(1, 8 // tp)
     shape = (heads, BLOCK, _dim(64, scale))
     window, full = range(0, total, 2), range(1, total, 2)
-    groups = [TensorGroup("window_key_caches", "bfloat16", shape, window, kind="sliding_window", window=128),
-              TensorGroup("window_value_caches", "bfloat16", shape, window, kind="sliding_window", window=128)]
+    groups = [TensorGroup("window_key_caches", "bfloat16", shape, window, kind="sliding_window", window=128, heads=8),
+              TensorGroup("window_value_caches", "bfloat16", shape, window, kind="sliding_window", window=128, heads=8)]
     if len(full):
-        groups += [TensorGroup("key_caches", "bfloat16", shape, full), TensorGroup("value_caches", "bfloat16", shape, full)]
+        groups += [TensorGroup("key_caches", "bfloat16", shape, full, heads=8),
+                   TensorGroup("value_caches", "bfloat16", shape, full, heads=8)]
     return CacheLayout(tuple(groups), num_blocks, BLOCK, total, name="gpt-oss")
 
 
@@ -86,7 +87,8 @@ def qwen3_next(num_blocks: int, layers: int | None, scale: int, tp: int) -> Cach
     shape = (max(1, 2 // tp), BLOCK, _dim(256, scale))
     groups = []
     if len(full):
-        groups += [TensorGroup("key_caches", "bfloat16", shape, full), TensorGroup("value_caches", "bfloat16", shape, full)]
+        groups += [TensorGroup("key_caches", "bfloat16", shape, full, heads=2),
+                   TensorGroup("value_caches", "bfloat16", shape, full, heads=2)]
     if linear:
         groups += [TensorGroup("conv_state", "bfloat16", (_dim(8192, scale), 3), linear, kind="state", tp="unsplittable"),
                    TensorGroup("ssm_state", "float32", (_dim(32, scale), _dim(128, scale), _dim(128, scale)), linear,
@@ -98,8 +100,8 @@ def qwen3_next(num_blocks: int, layers: int | None, scale: int, tp: int) -> Cach
 def qwen3_235b(num_blocks: int, layers: int | None, scale: int, tp: int) -> CacheLayout:
     total = _layers(94, layers)
     shape = (max(1, 4 // tp), BLOCK, _dim(128, scale))
-    groups = (TensorGroup("key_caches", "bfloat16", shape, range(total)),
-              TensorGroup("value_caches", "bfloat16", shape, range(total)))
+    groups = (TensorGroup("key_caches", "bfloat16", shape, range(total), heads=4),
+              TensorGroup("value_caches", "bfloat16", shape, range(total), heads=4))
     return CacheLayout(groups, num_blocks, BLOCK, total, name="qwen3-235b")
 
 

@@ -73,6 +73,7 @@ SLOW_TESTS = (
     "test_cache_layout_paths.py::test_each_preset_pulls_and_pushes_bit_exact_over_both_transports[deepseek-v3]",
     "test_cache_layout_paths.py::test_each_preset_pulls_and_pushes_bit_exact_over_both_transports[deepseek-v4]",
     "test_cache_layout_paths.py::test_each_preset_pulls_and_pushes_bit_exact_over_both_transports[qwen3-235b]",
+    "test_cache_layout_paths.py::test_heads_replicated_over_more_ranks",
 )
 
 # Tests of uid, ownership and file-mode behaviour, marked ``permissions``: ``make test`` runs them a

@@ -120,9 +120,10 @@ class PrefillDecode:
             self._control("pd_unlink", peer=str(peer.get("instance_id")))
             raise RuntimeError(f"ranks chose different transports {answers}: unlinked")
         layout = peer["ranks"][0]["layout"]  # checked field by field by every rank
-        heads, replicated, _ = tp_heads(self._svc.layout)
+        heads, replicated, _, total = tp_heads(self._svc.layout)
+        total = total if total == layout.get("total_kv_heads", 0) else 0
         peer_id = str(peer["instance_id"])
-        self._peer_writers[peer_id] = writers(self._svc.tp, heads, peer["tp"], layout["kv_heads"], replicated)
+        self._peer_writers[peer_id] = writers(self._svc.tp, heads, peer["tp"], layout["kv_heads"], replicated, total)
         self._watch_writers(peer_id, peer["ranks"] if answers[0] == "ipc" else [])
         self._links[peer_id] = answers[0]
         self._link_args[peer_id] = (peer, transport, offer)

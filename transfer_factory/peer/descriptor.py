@@ -51,6 +51,7 @@ class PeerLayout:
     # The cache layout's groups (``cache_manager.cache_layout.TensorGroup.to_json``): a link checks
     # them group by group and field by field (``check_groups``).
     groups: tuple = ()
+    total_kv_heads: int = 0  # the model's kv heads where the layout says (ranks may replicate them); 0: kv_heads x tp
 
     # Compared at link time, in this order: the first that differs is named.  The kv heads per
     # rank and so the block bytes may differ with the TP size (checked per head instead).
@@ -110,7 +111,7 @@ class PeerDescriptor:
 
 
 GROUP_FIELDS = {"name": str, "dtype": str, "block_shape": list, "layers": list, "kind": str, "tp": str, "window": int,
-                "compress": int, "tag": str}
+                "compress": int, "tag": str, "heads": int}
 MAX_GROUPS, MAX_GROUP_LIST = 64, 4096
 
 
@@ -169,6 +170,9 @@ def compatible_layouts(local: PeerDescriptor, peer: PeerDescriptor) -> None:
     if mine.mla:
         if mine.kv_heads != theirs.kv_heads:
             raise LayoutMismatch("kv_heads", mine.kv_heads, theirs.kv_heads)
+    elif mine.total_kv_heads and theirs.total_kv_heads:  # ranks may replicate heads: the model's count decides
+        if mine.total_kv_heads != theirs.total_kv_heads:
+            raise LayoutMismatch("kv_heads in all", mine.total_kv_heads, theirs.total_kv_heads)
     elif mine.kv_heads * local.tp != theirs.kv_heads * peer.tp:
         raise LayoutMismatch("kv_heads x tp", f"{mine.kv_heads} x {local.tp}", f"{theirs.kv_heads} x {peer.tp}")
     if mine.block_bytes * theirs.kv_heads != theirs.block_bytes * mine.kv_heads:
@@ -240,7 +244,10 @@ def _layout(d: dict) -> PeerLayout:
         elif type(value) is not bool:
             raise ValueError(f"descriptor field layout.{name} {value!r:.80} must be a bool")
         values[name] = value
-    return PeerLayout(**values, groups=_groups(d.get("groups", [])))
+    total = d.get("total_kv_heads", 0)
+    if total:
+        _count("layout.total_kv_heads", total)
+    return PeerLayout(**values, groups=_groups(d.get("groups", [])), total_kv_heads=total)
 
 
 def _text(name: str, value: Any, empty: bool = False) -> str:

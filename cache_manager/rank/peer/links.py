@@ -76,14 +76,14 @@ class PeerLinks:
     def _layout(self) -> PeerLayout:
         ns = self._resources.namespace()
         layout = self._cache_layout
-        heads, replicated, _ = self._heads
+        heads, replicated, _, total = self._heads
         first = (layout.block_groups() or layout.groups)[0]
         return PeerLayout(model_id=ns.model_id, model_version=ns.model_version,
                           cache_dtype=layout.legacy["cache_dtype"] if layout.legacy else ns.cache_dtype,
                           block_size=layout.block_size, num_layers=self._resources.num_layers, kv_heads=heads,
                           head_dim=first.block_shape[-1], mla=replicated, num_blocks=layout.num_blocks,
                           block_bytes=sum(self._kinds().values()),
-                          groups=tuple(g.to_json() for g in layout.groups))
+                          groups=tuple(g.to_json() for g in layout.groups), total_kv_heads=total)
 
     def describe(self, args: dict) -> dict:
         """This rank's descriptor.  ``args``: ``instance_id``, ``board`` and ``layer_board``
@@ -127,7 +127,8 @@ class PeerLinks:
                 raise ValueError(f"peer descriptor {index} names no generation of its engine's caches "
                                  f"({peer.generation}): describe the peer again once its caches are attached")
         mine, theirs = local.layout, peers[0].layout
-        args = (self._rank, self._tp, mine.kv_heads, len(peers), theirs.kv_heads, mine.mla)
+        total = mine.total_kv_heads if mine.total_kv_heads == theirs.total_kv_heads else 0
+        args = (self._rank, self._tp, mine.kv_heads, len(peers), theirs.kv_heads, mine.mla, total)
         pulls, pushes = reader_spans(*args), writer_spans(*args)
         head_bytes = {kind: nbytes // mine.kv_heads for kind, nbytes in self._kinds().items()}
         opened: dict[int, PeerLink] = {}

@@ -15,31 +15,40 @@ ranks of other TP sizes would have to re-slice its heads, which is refused namin
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from cache_manager.cache_layout import CacheLayout
 
 
-def tp_heads(layout: CacheLayout) -> tuple[int, bool, str | None]:
-    """(kv heads per rank, replicated, the first group that keeps ranks of different TP sizes from
-    exchanging blocks, or None)."""
+class TpHeads(NamedTuple):
+    heads: int  # kv heads per rank
+    replicated: bool  # every rank holds the whole group (MLA)
+    breaker: str | None  # the first group that keeps ranks of different TP sizes apart, or None
+    total: int = 0  # the model's kv heads, where the layout says (ranks may replicate them)
+
+
+def tp_heads(layout: CacheLayout) -> TpHeads:
+    """How the layout's block groups spread over TP ranks, as one link moves them."""
     groups = layout.block_groups()
     if not groups:
-        return 1, True, None
+        return TpHeads(1, True, None)
     rules = {g.tp for g in groups}
     if rules == {"replicated"}:
-        return groups[0].block_shape[0], True, None
+        return TpHeads(groups[0].block_shape[0], True, None)
     if rules == {"split"}:
-        heads = {g.block_shape[0] for g in groups}
-        if len(heads) == 1:
-            return groups[0].block_shape[0], False, None
-        odd = next(g for g in groups if g.block_shape[0] != groups[0].block_shape[0])
-        return 1, False, f"{odd.name!r} ({odd.block_shape[0]} kv heads per rank, {groups[0].name!r} has " \
-                         f"{groups[0].block_shape[0]}): its heads split differently"
+        heads, totals = {g.block_shape[0] for g in groups}, {g.heads for g in groups}
+        if len(heads) == 1 and len(totals) == 1:
+            return TpHeads(groups[0].block_shape[0], False, None, totals.pop())
+        odd = next(g for g in groups if (g.block_shape[0], g.heads) != (groups[0].block_shape[0], groups[0].heads))
+        return TpHeads(1, False, f"{odd.name!r} ({odd.block_shape[0]} kv heads per rank of {odd.heads or '?'}, "
+                                 f"{groups[0].name!r} has {groups[0].block_shape[0]} of {groups[0].heads or '?'}): "
+                                 "its heads split differently")
     odd = next((g for g in groups if g.tp == "unsplittable"), None) or \
         next(g for g in groups if g.tp != groups[0].tp)
-    return 1, False, f"{odd.name!r} (TP rule {odd.tp}, {groups[0].name!r} has {groups[0].tp})"
+    return TpHeads(1, False, f"{odd.name!r} (TP rule {odd.tp}, {groups[0].name!r} has {groups[0].tp})")
 
 
-def refuse_layout(layout: CacheLayout, heads: tuple[int, bool, str | None], tp: int, peer_tp: int) -> None:
+def refuse_layout(layout: CacheLayout, heads: TpHeads, tp: int, peer_tp: int) -> None:
     """Raise ``ValueError`` naming the group and its rule when this layout cannot be linked to an
     instance of TP size ``peer_tp`` (this one's is ``tp``)."""
     state = [g for g in layout.groups if g.per_request]

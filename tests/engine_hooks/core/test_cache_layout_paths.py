@@ -316,3 +316,38 @@ def test_a_window_and_a_state_round_trip_through_a_mooncake_pool(name, tmp_path)
             assert svc.read_storage(keys[:2], [7, 8], **into).result(timeout=30) == []  # no window, no state there
         finally:
             svc.shutdown()
+
+
+def test_heads_replicated_over_more_ranks_than_the_model_has_are_read_from_one_rank():
+    """qwen3-235b: 4 kv heads, so at TP 8 ranks 2r and 2r+1 both hold head r.  A TP 8 decode rank
+    reads its head from the one TP 2 prefill rank that holds it; a TP 8 prefill pushes each head of
+    a TP 2 decode rank from one of its replicas, never a split of two."""
+    small = {"num_blocks": 8, "layers": 2, "dim_scale": SCALE}
+    with local_instance(preset("qwen3-235b", tp=2, **small), "prefill-0", tp=2, num_cpu_blocks=0) as (p_svc, p), \
+            local_instance(preset("qwen3-235b", tp=8, **small), "decode-0", tp=8, num_cpu_blocks=0) as (d_svc, d):
+        fill_distinct(p_svc, seed=18)
+        fill_distinct(d_svc, seed=19)
+        link_both(p, d, "ipc")
+        handle = p.expose("replicas")
+        assert d.pull_blocks("prefill-0", handle, [1, 2], [3, 4]).result(timeout=30) == [3, 4]
+        source = blocks(p_svc, [1, 2])
+        for (rank, group, i), got in blocks(d_svc, [3, 4]).items():
+            head = rank * 4 // 8  # the model's head this decode rank holds
+            whole = source[(head // 2, group, i)].reshape(2, 2, -1)  # [blocks, 2 heads of that prefill rank, bytes]
+            assert np.array_equal(got.reshape(2, -1), whole[:, head % 2]), (rank, group, i)
+
+    with local_instance(preset("qwen3-235b", tp=8, **small), "prefill-0", tp=8, num_cpu_blocks=0) as (p_svc, p), \
+            local_instance(preset("qwen3-235b", tp=2, **small), "decode-0", tp=2, num_cpu_blocks=0) as (d_svc, d):
+        fill_distinct(p_svc, seed=20)
+        link_both(p, d, "ipc")
+        target = d.receive_push("prefill-0", [5, 6], timeout=30)
+        future = p.push_blocks("decode-0", target.ticket, [1, 2], layerwise=False, timeout=30)
+        assert target.result(timeout=20) == [5, 6] and future.result(timeout=20) == [5, 6]
+        source = blocks(p_svc, [1, 2])
+        for (rank, group, i), got in blocks(d_svc, [5, 6]).items():
+            heads = got.reshape(2, 2, -1)
+            for h in range(2):  # decode rank r's head h is the model's 2r + h, held by prefill ranks 4r+2h, +1
+                model_head = 2 * rank + h
+                replicas = [source[(model_head * 2 + k, group, i)].reshape(2, -1) for k in range(2)]
+                assert any(np.array_equal(heads[:, h], rep) for rep in replicas), (rank, group, i, h)
+        assert target.close()
