@@ -45,11 +45,13 @@ import _common
 
 _common.quiet_paddle()
 
+from cache_manager.cache_spec import as_layout  # noqa: E402
 from engine_hooks.prefix_cache import TierStats  # noqa: E402
 from engine_hooks.service import default_log_dir  # noqa: E402
 from replay_instance_kill import kill_instance, recovery  # noqa: E402
 from replay_instance_process import child_main  # noqa: E402
-from replay_workload import KINDS, Request, Served, Tally, summarize  # noqa: E402
+from replay_workload import (ByteLedger, Request, Served, Tally, model_result, naive_block_bytes,  # noqa: E402
+                             summarize)
 
 log = logging.getLogger("replay.instances")
 
@@ -259,7 +261,7 @@ def run(args: argparse.Namespace, spec, requests: list[Request], block_hashes: l
               f"route {args.route}", flush=True)
         kill = functools.partial(kill_instance, args, master, storage_options,
                                  os.path.join(log_dir, "mooncake_inspector.stderr"))
-        result = _replay(args, instances, kill, requests, block_hashes, progress)
+        result = _replay(args, as_layout(spec), instances, kill, requests, block_hashes, progress)
         for inst in instances:
             if inst.alive and not inst.stop():
                 log.warning("instance %d: storage writes or late tasks still outstanding at its end", inst.index)
@@ -270,8 +272,18 @@ def run(args: argparse.Namespace, spec, requests: list[Request], block_hashes: l
                 inst.stop(timeout=10.0)
 
 
-def _replay(args, instances: list[EngineInstance], kill_one, requests, block_hashes, progress) -> dict:
+def _summed_stats(instances: list[EngineInstance]) -> dict:
+    """The ``TierStats`` fields summed over the instances (each one's latest report)."""
+    stats: dict = {}
+    for inst in instances:
+        for k, v in inst.stats.items():
+            stats[k] = stats.get(k, 0) + v
+    return {**dataclasses.asdict(TierStats()), **stats}
+
+
+def _replay(args, layout, instances: list[EngineInstance], kill_one, requests, block_hashes, progress) -> dict:
     tally = Tally(requests, block_hashes, args.kv_blocks_per_hash)
+    ledger = ByteLedger(args.tp * naive_block_bytes(layout)) if args.model else None
     router = Router(len(instances), args.route)
     writer: dict[str, int] = {}  # block hash -> the instance that last computed it
     cross = 0
@@ -297,6 +309,8 @@ def _replay(args, instances: list[EngineInstance], kill_one, requests, block_has
                 inst.alive = False
                 router.drop(inst.index)
                 died.append(inst.index)
+        if ledger is not None:
+            ledger.add(_summed_stats(instances))
         if served is None:
             tally.skipped += 1
             continue
@@ -313,17 +327,14 @@ def _replay(args, instances: list[EngineInstance], kill_one, requests, block_has
                 inst.cross_hits += 1
         progress.update(done, tally.hit_ratio())
     elapsed = time.perf_counter() - t0
-    return _result(args, instances, tally, cross, kill, died, elapsed)
+    return _result(args, layout, instances, tally, cross, kill, died, elapsed, ledger)
 
 
-def _result(args, instances, tally: Tally, cross: int, kill: dict, died: list[int], elapsed: float) -> dict:
-    stats: dict = {}
-    for inst in instances:
-        for k, v in inst.stats.items():
-            stats[k] = stats.get(k, 0) + v
-    stats = {**dataclasses.asdict(TierStats()), **stats}
+def _result(args, layout, instances, tally: Tally, cross: int, kill: dict, died: list[int], elapsed: float,
+            ledger: ByteLedger | None = None) -> dict:
+    stats = _summed_stats(instances)
     latencies = [x for inst in instances for x in inst.latencies]
-    block_bytes = args.tp * len(KINDS) * args.num_layers * args.block_bytes
+    block_bytes = args.tp * layout.bytes_per_block()  # every group, layer and rank
     result = summarize(tally, stats, latencies, sum(i.busy_s for i in instances), block_bytes, elapsed, args,
                        bounce_blocks=stats.get("bounce_blocks", 0), metrics_port=None)
     at = kill.pop("_kill_index", None)
@@ -340,6 +351,9 @@ def _result(args, instances, tally: Tally, cross: int, kill: dict, died: list[in
     if at is not None:
         result.update(recovery(tally.timeline, at))
         result["_kill_index"] = at
+    if ledger is not None:  # the instances' final reports (their drained writes) count in the last request
+        ledger.close(stats)
+        result.update(model_result(args.model, layout, args.tp, args, ledger))
     result["_timeline"] = tally.timeline
     return result
 

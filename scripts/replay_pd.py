@@ -18,10 +18,20 @@ One request:
      ``layer_computed(i + 1)`` after each (hits are there already: with no miss, every layer at once);
      D waits for each layer.  ``pd_layer_visible_ms``: from the last ``layer_computed`` to the last
      layer visible on D (the median over requests).
-3. D checks every block on every rank, kind and layer against the content derived from (block hash,
-   layer, rank, K/V) (``replay_workload.Content``), "decodes" (``--pd-decode-ms``), frees its blocks.
+3. D checks every block on every rank, group and layer against the content derived from (block hash,
+   layer, head, group) (``replay_workload.Content``; a sliding-window group of a ``--model`` layout:
+   the request's last blocks, those its decode attention reads; the one more block a transfer moves
+   for a window that starts inside a block holds the prefill side's bytes, checked where both sides
+   have one TP size), "decodes" (``--pd-decode-ms``), frees its blocks.
 
-A transfer that fails counts in ``pd_failed_transfers`` and a wrong block in ``pd_corrupt_blocks``;
+With ``--model``, each instance has the preset's layout at its own TP size.  A layout with state
+groups (qwen3-next's conv and SSM state: one slot per request, not per block): P computes each
+request's state into a slot, the transfer moves it (``state_slots``) into a slot D takes for the
+request, and D checks it; between TP sizes such a layout is refused before anything starts, naming
+the group, as a link would refuse it.
+
+A transfer that fails counts in ``pd_failed_transfers``, a wrong block in ``pd_corrupt_blocks`` and a
+wrong state slot in ``pd_corrupt_state_slots`` (a layout with state groups: ``pd_state_slots`` arrived);
 either way the request is dropped on D, never decoded from wrong bytes.  Destination blocks a failed
 transfer may still write stay out of D's free list until the transfer is released.  Bytes are what
 the ranks report having moved (``RankResult.bytes_moved``); a transfer's time runs from its
@@ -40,13 +50,15 @@ import time
 
 import numpy as np
 
+from cache_manager.cache_presets import preset
+from cache_manager.rank.peer.tp_rules import refuse_layout, tp_heads
 from engine_hooks import CacheTransferService
 from engine_hooks.core.late_tasks import bytes_moved, released_of
 from engine_hooks.pd import TRANSPORT_CHOICES, PrefillDecode, offer_for
 from engine_hooks.prefix_cache import CapacityError, TieredPrefixCache, TierStats
 from replay_instances import Router
 from replay_pd_decode import DecodeInstance, PDStats
-from replay_workload import KINDS, Content, Tally, serve_request, summarize
+from replay_workload import ByteLedger, Content, Tally, model_result, naive_block_bytes, serve_request, summarize
 
 log = logging.getLogger("replay.pd")
 
@@ -111,6 +123,18 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--pd does not combine with {flag}")
     if args.pd_decode_ms < 0:
         parser.error(f"--pd-decode-ms {args.pd_decode_ms} must not be negative")
+    if args.model:
+        prefill, decode = (instance_layout(args, 16, tp) for tp in (p_tp, d_tp))
+        try:
+            refuse_layout(prefill, tp_heads(prefill), p_tp, d_tp)
+            refuse_layout(decode, tp_heads(decode), d_tp, p_tp)
+        except ValueError as exc:
+            parser.error(f"--pd with --model {args.model}: {exc}")
+
+
+def instance_layout(args: argparse.Namespace, num_blocks: int, tp: int):
+    """``--model``'s layout on an instance of TP size ``tp`` (its split groups: the model's heads over ``tp``)."""
+    return preset(args.model, num_blocks=num_blocks, layers=args.model_layers, dim_scale=args.model_dim_scale, tp=tp)
 
 
 # ---------------------------------------------------------------------------- prefill side
@@ -126,30 +150,41 @@ class Handoff:
         self.t0 = self.t_computed = 0.0
         self.error: str | None = None
         self.entry = (float("nan"), 0)
+        self.landed = 0  # blocks that reached D
+        # a layout with state groups: the request's state slot on P (one request at a time per
+        # instance, so any slot; the tiers never touch it) and the one D takes for it
+        slots = p.svc.layout.request_slots
+        self.p_slot = line % slots if slots else None
+        self.d_slot: int | None = None
+
+    @property
+    def state_slots(self) -> tuple[int, int] | None:
+        return None if self.p_slot is None else (self.p_slot, self.d_slot)
 
     def _fail(self, what: str, exc: BaseException) -> None:
         if self.error is None:
             self.error = f"{what}: {type(exc).__name__}: {exc}"
 
-    # ---- P computes the request's missing blocks (serve_request's content.write)
+    # ---- P computes the request's missing blocks (serve_request's content.write) and its state
     def compute(self, hashes: list[str], blocks: list[int]) -> None:
+        if self.p_slot is not None:  # a linear-attention state: prefill computes it over the whole prompt
+            self.p.content.write_state(self.hashes[-1], self.p_slot)
         if self.args.pd_mode == "pull" or not self.lease.gpu_blocks:
             self.p.content.write(hashes, blocks)
             return
         timeout = self.args.task_timeout
         try:
             self.dst = self.d.allocate(len(self.lease.gpu_blocks))
+            self.d_slot = self.d.allocate_slot()
             self.target = self.d.side.receive_push(self.p.id, self.dst, timeout=timeout)
             self.t0 = time.perf_counter()
             self.future = self.p.side.push_blocks(self.d.id, self.target.ticket, self.lease.gpu_blocks,
-                                                  layerwise=True, timeout=timeout)
+                                                  layerwise=True, timeout=timeout, state_slots=self.state_slots)
         except Exception as exc:
             self._fail("starting the push", exc)
-        layers = self.target.layers if self.target is not None else self.args.num_layers
+        layers = self.target.layers if self.target is not None else self.p.svc.layout.total_layers
         for layer in range(layers if blocks else 0):
-            for (rank, kind, i), view in self.p.content.views.items():
-                if i == layer:  # the replay's content of (hash, layer, rank, kind), one layer at a time
-                    view[blocks] = self.p.content._expected(hashes, rank, kind, layer)
+            self.p.content.write(hashes, blocks, layer=layer)  # the replay's content, one layer at a time
             self._computed(layer + 1)
         if not blocks:
             self._computed(layers)  # every block a hit: all its layers are there already
@@ -186,11 +221,12 @@ class Handoff:
     def _pull(self) -> None:
         timeout = self.args.task_timeout
         self.dst = self.d.allocate(len(self.lease.gpu_blocks))
+        self.d_slot = self.d.allocate_slot()
         handle = self.p.side.expose(f"line-{self.line}")
         try:
             self.t0 = time.perf_counter()
             self.future = self.d.side.pull_blocks(self.p.id, handle, self.lease.gpu_blocks, self.dst,
-                                                  timeout=timeout)
+                                                  timeout=timeout, state_slots=self.state_slots)
             got = self.future.result(timeout=timeout + 10)
             self._landed(time.perf_counter(), got)
         finally:
@@ -214,34 +250,43 @@ class Handoff:
         self.stats.transfer_ms.append(ms)
         self.stats.bytes += moved
         self.entry = (ms, moved)
+        self.landed = len(got)
 
     def _decode(self) -> None:
-        ok = self.d.content.verify(self.hashes, self.dst)
+        n = len(self.dst)
+        ok = self.d.content.verify(self.hashes, self.dst, tail=list(range(n - 1, -1, -1)))
+        if self.p.svc.tp == self.d.svc.tp:  # the window's extra block: what the prefill side holds, rank for rank
+            ok &= self.d.content.same_as(self.p.content, self.dst, self.lease.gpu_blocks)
         self.stats.blocks += len(self.dst)
         bad = int((~ok).sum())
-        if bad:
+        state_ok = True
+        if self.d_slot is not None:
+            state_ok = self.d.content.verify_state(self.hashes[-1], self.d_slot)
+            self.stats.states += 1
+            self.stats.corrupt_states += not state_ok
+        if bad or not state_ok:
             self.stats.corrupt += bad
-            log.error("line %d: %d of %d blocks on %s have wrong bytes: request dropped", self.line, bad,
-                      len(self.dst), self.d.id)
+            log.error("line %d: %d of %d blocks%s on %s have wrong bytes: request dropped", self.line, bad,
+                      len(self.dst), "" if state_ok else " and its state slot", self.d.id)
         else:
             self.stats.requests += 1
             if self.args.pd_decode_ms:
                 time.sleep(self.args.pd_decode_ms / 1e3)
-        if self.target is not None:
-            self.d.give_back(self.dst, self.target.close)  # False, slot kept, while a rank may still write
+        if self.target is not None:  # False, board slot kept, while a rank may still write
+            self.d.give_back(self.dst, self.target.close, self.d_slot)
         else:
-            self.d.give_back(self.dst, released_of(self.future).done)
+            self.d.give_back(self.dst, released_of(self.future).done, self.d_slot)
 
     def _give_back_failed(self) -> None:
         if not self.dst:
             return
         if self.future is None:  # never submitted: nothing writes them (a reserved board slot stays held)
-            self.d.give_back(self.dst)
+            self.d.give_back(self.dst, slot=self.d_slot)
         elif self.target is not None:
             self.target.wait_released(self.args.task_timeout)
-            self.d.give_back(self.dst, self.target.close)
+            self.d.give_back(self.dst, self.target.close, self.d_slot)
         else:
-            self.d.give_back(self.dst, released_of(self.future).done)
+            self.d.give_back(self.dst, released_of(self.future).done, self.d_slot)
 
 
 class PrefillInstance:
@@ -266,8 +311,8 @@ class PrefillInstance:
     def commit(self, lease) -> None:
         self.cache.commit(lease)
 
-    def verify(self, hashes, blocks):
-        return self.content.verify(hashes, blocks)
+    def verify(self, hashes, blocks, tail=None):
+        return self.content.verify(hashes, blocks, tail=tail)
 
     def write(self, hashes, blocks) -> None:
         self.handoff.compute(hashes, blocks)
@@ -304,6 +349,7 @@ def run(args: argparse.Namespace, spec, requests, block_hashes, source: str, max
             for i in range(n):
                 tp = p_tp if role == "prefill" else d_tp
                 svc = CacheTransferService(
+                    instance_layout(args, spec.num_blocks, tp) if args.model else
                     dataclasses.replace(spec, kv_heads=heads // tp), tp=tp,
                     num_cpu_blocks=args.host_blocks if role == "prefill" else 0,
                     storage_backend="none" if role == "decode" or args.storage == "none" else args.storage,
@@ -318,46 +364,62 @@ def run(args: argparse.Namespace, spec, requests, block_hashes, source: str, max
                 (prefills if role == "prefill" else decodes).append(inst)
         transport = link_all(prefills, decodes, args.pd_transport)
         print(f"P/D {n_p}:{n_d} up (TP {p_tp}:{d_tp}), {args.pd_mode} over {transport}", flush=True)
-        result = _replay(args, prefills, decodes, requests, block_hashes, progress, heads)
+        result = _replay(args, prefills, decodes, requests, block_hashes, progress)
         result.update(pd=f"{n_p}:{n_d}", pd_mode=args.pd_mode, pd_transport=transport, prefill_tp=p_tp,
                       decode_tp=d_tp)
         return result
 
 
+def _cache_stats(prefills: list[PrefillInstance]) -> dict:
+    """The ``TierStats`` fields summed over the prefill instances."""
+    totals = collections.Counter()
+    for p in prefills:
+        totals.update(dataclasses.asdict(p.cache.stats))
+    return {**dataclasses.asdict(TierStats()), **totals}
+
+
 def _replay(args, prefills: list[PrefillInstance], decodes: list[DecodeInstance], requests, block_hashes,
-            progress, heads: int) -> dict:
+            progress) -> dict:
     tally = Tally(requests, block_hashes, args.kv_blocks_per_hash)
-    stats = PDStats()
+    p_svc, d_svc = prefills[0].svc, decodes[0].svc
+    stats = PDStats(stateful=bool(p_svc.layout.request_slots))
+    ledger = ByteLedger(p_svc.tp * naive_block_bytes(p_svc.layout),
+                        d_svc.tp * naive_block_bytes(d_svc.layout)) if args.model else None
     route_p, route_d = Router(len(prefills), args.route), Router(len(decodes), "round-robin")
     t0 = time.perf_counter()
     for done, (req, hashes) in enumerate(zip(requests, block_hashes), start=1):
         ceiling = tally.ceiling(hashes)
         p, d = prefills[route_p.pick(req)], decodes[route_d.pick(req)]
-        p.handoff = Handoff(p, d, req.line, hashes, args, stats)
+        handoff = p.handoff = Handoff(p, d, req.line, hashes, args, stats)
         try:
             served = serve_request(p, p, req.line, hashes, log)
         except CapacityError as exc:
             log.warning("request on line %d skipped: %s", req.line, exc)
             tally.skipped += 1
-            continue
+            served = None
         finally:
             p.handoff = None
+        if ledger is not None:
+            ledger.add(_cache_stats(prefills), (handoff.entry[1], handoff.landed))
+        if served is None:
+            continue
         tally.add(req, served, ceiling)
         progress.update(done, tally.hit_ratio())
     for p in prefills:
         if not p.cache.drain():
             log.warning("%s: storage writes or late tasks still outstanding at the end", p.id)
     elapsed = time.perf_counter() - t0
-    totals = collections.Counter()
-    for p in prefills:
-        totals.update(dataclasses.asdict(p.cache.stats))
-    cache_stats = {**dataclasses.asdict(TierStats()), **totals}
+    cache_stats = _cache_stats(prefills)
     latencies = [x for p in prefills for x in p.svc.latencies_ms]
-    block_bytes = heads * len(KINDS) * args.num_layers * args.block_bytes  # every head of the model
+    # every group, layer and rank of a prefill instance (of a K/V model: every head of the model)
+    block_bytes = p_svc.tp * p_svc.layout.bytes_per_block()
     result = summarize(tally, cache_stats, latencies, sum(p.svc.busy_seconds() for p in prefills), block_bytes,
                        elapsed, args, bounce_blocks=sum(p.cache.block_counts()["bounce"] for p in prefills),
                        metrics_port=None)
     result.update(stats.result())
+    if ledger is not None:
+        ledger.close(cache_stats)
+        result.update(model_result(args.model, p_svc.layout, p_svc.tp, args, ledger))
     result["_timeline"], result["_pd_timeline"] = tally.timeline, stats.timeline
     return result
 
@@ -372,7 +434,9 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                              + (f"; last layer visible {r['pd_layer_visible_ms']:.2f} ms after computed (p50)"
                                 if r["pd_layer_visible_ms"] is not None else "")),
             ("P/D checks", f"{r['pd_blocks'] - r['pd_corrupt_blocks']} blocks bit-exact on decode, "
-                           f"{r['pd_corrupt_blocks']} corrupt, {r['pd_failed_transfers']} failed transfers")]
+                           f"{r['pd_corrupt_blocks']} corrupt, {r['pd_failed_transfers']} failed transfers"
+                           + (f"; {r['pd_state_slots'] - r['pd_corrupt_state_slots']} request states bit-exact, "
+                              f"{r['pd_corrupt_state_slots']} corrupt" if "pd_state_slots" in r else ""))]
 
 
 def plot_panel(ax, timeline: list) -> None:

@@ -13,7 +13,21 @@ times).  Real processes, real bytes, real storage.
 Input: Mooncake-format JSONL (``timestamp``, ``input_length``, ``output_length``,
 ``hash_ids`` of 512-token prefix blocks) with ``--trace``; without it, a seeded multi-turn
 workload of the same format.  Each 512-token hash block becomes ``--kv-blocks-per-hash`` KV
-blocks; the model is scaled down with ``--num-layers`` and ``--block-bytes``.
+blocks; the model is scaled down with ``--num-layers`` and ``--block-bytes`` (K and V on every
+layer).
+
+A 2026 model's cache layout (``--model PRESET``, ``cache_manager.cache_presets``): its groups (MLA
+latent + rope, DSA indexers, sliding windows, compressed caches, linear-attention state), scaled
+with ``--model-layers`` (its first layers) and ``--model-dim-scale`` (every hidden dimension
+divided), replace ``--num-layers`` and ``--block-bytes``.  Every block group's tensor of every layer
+on every rank is written and verified (a sliding-window group inside the request's window, its last
+blocks, the only ones attention reads and storage keeps; a state group, one slot per request, is
+left alone by the prefix cache's tiers, which move blocks, and moves with the request over ``--pd``,
+which refuses such a layout between TP sizes, naming the group).  The JSON line adds
+``model``, ``bytes_per_block`` and ``naive_bytes_per_block`` (every model layer holding the widest
+layer's block groups uncompressed and whole: "all layers full"), and per tier (device->host,
+host->device, to storage, from storage, P/D) ``bytes_per_request`` and ``naive_bytes_per_request``
+(median, mean and total over the requests).
 
 Output: a progress bar, a summary table, ``--json`` (one final JSON line) and ``--plot``.
 Bytes moved and the transfer rate come from what every rank reports having moved
@@ -56,6 +70,7 @@ quiet_paddle()
 
 import numpy as np  # noqa: E402
 
+from cache_manager.cache_presets import PRESETS, preset  # noqa: E402
 from engine_hooks import CacheSpec, CacheTransferService  # noqa: E402
 from engine_hooks.prefix_cache import TIERS, WRITE_POLICIES, CapacityError, TieredPrefixCache  # noqa: E402
 from engine_hooks.service import default_log_dir  # noqa: E402
@@ -63,8 +78,9 @@ from engine_hooks.prefix_cache.write_policy import default_bounce_blocks  # noqa
 from ops.procs import PathReaper  # noqa: E402
 import replay_instances  # noqa: E402
 import replay_pd  # noqa: E402
-from replay_workload import (HASH_BLOCK_TOKENS, KINDS, BadTraceLine, Content, Request, Tally,  # noqa: E402
-                             generate_workload, load_trace, request_hashes, serve_request, summarize)
+from replay_workload import (HASH_BLOCK_TOKENS, BadTraceLine, ByteLedger, Content, Request, Tally,  # noqa: E402
+                             generate_workload, load_trace, model_result, naive_block_bytes, request_hashes,
+                             serve_request, summarize)
 
 log = logging.getLogger("replay")
 
@@ -106,6 +122,7 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
                               task_timeout=args.task_timeout)
     content = Content(svc)
     tally = Tally(requests, request_block_hashes, args.kv_blocks_per_hash)
+    ledger = ByteLedger(svc.tp * naive_block_bytes(svc.layout)) if args.model else None
     progress = Progress(len(requests), not args.no_progress)
     t0 = time.perf_counter()
     for done, (req, hashes) in enumerate(zip(requests, request_block_hashes), start=1):
@@ -115,15 +132,23 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
         except CapacityError as exc:
             log.warning("request on line %d skipped: %s", req.line, exc)
             tally.skipped += 1
+            served = None
+        if ledger is not None:
+            ledger.add(dataclasses.asdict(cache.stats))
+        if served is None:
             continue
         tally.add(req, served, ceiling)
         progress.update(done, tally.hit_ratio())
     if not cache.drain():
         log.warning("storage writes or late tasks still outstanding at the end of the replay")
     elapsed = time.perf_counter() - t0
-    block_bytes = svc.tp * len(KINDS) * args.num_layers * args.block_bytes
-    result = summarize(tally, dataclasses.asdict(cache.stats), svc.latencies_ms, svc.busy_seconds(), block_bytes,
+    stats = dataclasses.asdict(cache.stats)
+    block_bytes = svc.tp * svc.layout.bytes_per_block()  # every group and layer, every rank
+    result = summarize(tally, stats, svc.latencies_ms, svc.busy_seconds(), block_bytes,
                        elapsed, args, bounce_blocks=cache.block_counts()["bounce"], metrics_port=svc.metrics_port)
+    if ledger is not None:
+        ledger.close(stats)
+        result.update(model_result(args.model, svc.layout, svc.tp, args, ledger))
     result["_timeline"] = tally.timeline
     return result
 
@@ -135,7 +160,11 @@ def print_summary(r: dict, args: argparse.Namespace) -> None:
     rows = [
         ("requests replayed", f"{r['requests']} ({r['skipped_requests']} skipped) in {r['elapsed_s']:.1f} s "
                               f"({r['requests_per_s']:.0f} req/s)"),
-        ("KV blocks", f"{r['blocks']}  (TP={args.tp}, {args.num_layers} layers, {args.block_bytes} B per layer-block)"),
+        ("KV blocks", f"{r['blocks']}  (TP={args.tp}, {args.num_layers} layers, {args.block_bytes} B per layer-block)"
+         if not r.get("model") else
+         f"{r['blocks']}  (TP={args.tp}, {r['model']}: {r['cache_layers']} layers, dimensions / "
+         f"{r['model_dim_scale']}, {r['kv_blocks_per_hash']} blocks of {r['layout_block_tokens']} tokens per "
+         f"trace block; {r['bytes_per_block']:,} B per block, naive layout {r['naive_bytes_per_block']:,} B)"),
         ("hit ratio, all tiers", f"{r['hit_ratio']:7.2%}   (trace's ceiling {r['theoretical_hit_ratio']:.2%})"),
         ("  device", f"{r['device_hit_ratio']:7.2%}"),
         ("  host", f"{r['host_hit_ratio']:7.2%}"),
@@ -156,6 +185,8 @@ def print_summary(r: dict, args: argparse.Namespace) -> None:
     ]
     if "store_cleanup_s" in r:
         rows.append(("temporary store", f"removed in {r['store_cleanup_s']:.2f} s"))
+    if r.get("model"):
+        rows += model_rows(r)
     if r.get("instances", 1) > 1:
         rows += replay_instances.summary_rows(r)
     if r.get("pd"):
@@ -165,6 +196,22 @@ def print_summary(r: dict, args: argparse.Namespace) -> None:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     print("-" * (width + 50))
+
+
+def model_rows(r: dict) -> list[tuple[str, str]]:
+    """Bytes per request per tier against the naive all-layers-full layout."""
+    kib = 1024
+    rows = []
+    for tier, what in (("device_to_host", "device->host"), ("host_to_device", "host->device"),
+                       ("to_storage", "to storage"), ("from_storage", "from storage"), ("pd", "P/D"), ("all", "all")):
+        if tier not in r["bytes_per_request"]:
+            continue
+        got, naive = r["bytes_per_request"][tier], r["naive_bytes_per_request"][tier]
+        share = f" ({got['total'] / naive['total']:.1%} of naive)" if naive["total"] else ""
+        rows.append((f"  per request, {what}", f"median {got['median'] / kib:,.0f} KiB, mean {got['mean'] / kib:,.0f} "
+                                               f"KiB; naive {naive['median'] / kib:,.0f} / {naive['mean'] / kib:,.0f} "
+                                               f"KiB{share}"))
+    return [("bytes moved per request", f"{r['model']} layout against every layer full and uncompressed")] + rows
 
 
 def plot(r: dict, path: str, title: str) -> None:
@@ -213,7 +260,7 @@ def plot(r: dict, path: str, title: str) -> None:
 
 
 # ---------------------------------------------------------------------------- run
-def run_with_storage(args: argparse.Namespace, spec: CacheSpec, requests: list[Request],
+def run_with_storage(args: argparse.Namespace, spec, requests: list[Request],
                      block_hashes: list[list[str]], source: str, max_model_len: int) -> dict:
     """Start the storage the replay needs, the CTMs, replay, and leave nothing temporary behind."""
     log_dir = os.path.abspath(args.log_dir) if args.log_dir else default_log_dir()
@@ -283,15 +330,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a malformed trace line is reported and skipped, or stops the replay")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--block-bytes", type=int, default=4096, help="bytes of one layer's K (or V) block on one rank")
-    p.add_argument("--kv-blocks-per-hash", type=int, default=1, help="KV blocks per 512-token trace block")
+    p.add_argument("--num-layers", type=int, default=4, help="layers of the K/V model (not with --model)")
+    p.add_argument("--block-bytes", type=int, default=4096,
+                   help="bytes of one layer's K (or V) block on one rank (not with --model)")
+    p.add_argument("--model", choices=list(PRESETS), default=None,
+                   help="replay a 2026 model's cache layout (cache_manager.cache_presets) instead of K/V on every "
+                        "layer: every block group of every layer written and verified; the JSON line adds the "
+                        "bytes each tier moved per request against a naive all-layers-full layout")
+    p.add_argument("--model-layers", type=int, default=4,
+                   help="--model: keep the first N layers of the model's pattern (default 4: deepseek-v4 has both "
+                        "compressions, qwen3-next one full-attention layer)")
+    p.add_argument("--model-dim-scale", type=int, default=32,
+                   help="--model: divide every hidden dimension by S (default 32: every preset's dimensions divide "
+                        "exactly, so its ratios hold, and a 128-token block is 4-23 KiB per rank)")
+    p.add_argument("--kv-blocks-per-hash", type=int, default=None,
+                   help="KV blocks per 512-token trace block (default 1; with --model, 512 / the layout's block "
+                        "tokens, i.e. 4 pages of 128 tokens: a block holds the tokens the model's page holds, so "
+                        "windows and compression cover the trace's tokens; 1 makes each page stand for 512 tokens)")
     p.add_argument("--device-blocks", type=int, default=1024, help="device tier capacity, blocks per rank")
     p.add_argument("--host-blocks", type=int, default=4096, help="host tier capacity, blocks per rank")
     p.add_argument("--unbounded", action="store_true", help="device tier large enough for every block of the run")
     p.add_argument("--storage", choices=["file", "mooncake", "none"], default="file")
     p.add_argument("--storage-root", help="FileStore directory (default: a temporary one, removed afterwards)")
-    p.add_argument("--storage-capacity", default="4G", help="FileStore capacity per rank")
+    p.add_argument("--storage-capacity", default=None,
+                   help="FileStore capacity per rank (default 4G; with --model, more where the run's distinct "
+                        "blocks need it, so the store evicts nothing)")
     p.add_argument("--storage-fsync", choices=["auto", "on", "off"], default="auto",
                    help="fsync every stored object (auto: only for a --storage-root that outlives the run)")
     p.add_argument("--write-policy", choices=list(WRITE_POLICIES), default="write_through",
@@ -319,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _common.setup_logging(args.verbose)
     log.setLevel(logging.INFO if args.verbose else logging.WARNING)
-    for name in ("max_requests", "tp", "num_layers", "kv_blocks_per_hash", "device_blocks"):
+    if args.kv_blocks_per_hash is None:
+        args.kv_blocks_per_hash = HASH_BLOCK_TOKENS // preset(args.model).block_size if args.model else 1
+    for name in ("max_requests", "tp", "num_layers", "kv_blocks_per_hash", "device_blocks", "model_layers",
+                 "model_dim_scale"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be positive")
     if args.host_blocks < 0:
@@ -331,11 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_threshold < 1:
         parser.error(f"--write-threshold {args.write_threshold} must be positive")
     replay_instances.check_arguments(parser, args)
+    if args.model and args.kill_instance_at is not None:
+        parser.error("--kill-instance-at counts the blocks the pool lost by K/V keys: not with --model")
     replay_pd.check_arguments(parser, args)
     if HASH_BLOCK_TOKENS % args.kv_blocks_per_hash:
         parser.error(f"--kv-blocks-per-hash {args.kv_blocks_per_hash} must divide {HASH_BLOCK_TOKENS}")
     block_size = HASH_BLOCK_TOKENS // args.kv_blocks_per_hash
-    if args.block_bytes <= 0 or args.block_bytes % (2 * block_size * 4):
+    if args.model is None and (args.block_bytes <= 0 or args.block_bytes % (2 * block_size * 4)):
         parser.error(f"--block-bytes {args.block_bytes} must be a positive multiple of {2 * block_size * 4} "
                      f"(bf16, {block_size} tokens per block, whole 8-byte words)")
     if args.trace:
@@ -370,12 +438,22 @@ def main(argv: list[str] | None = None) -> int:
     # request must still fit in the rest
     bounce = default_bounce_blocks(args.write_policy, device_blocks, args.host_blocks, args.storage != "none")
     device_blocks = max(device_blocks, longest + bounce)
-    spec = CacheSpec(num_layers=args.num_layers, num_blocks=device_blocks, kv_heads=1, block_size=block_size,
-                     head_dim=args.block_bytes // (2 * block_size))
+    if args.model:
+        spec = preset(args.model, num_blocks=device_blocks, layers=args.model_layers, dim_scale=args.model_dim_scale,
+                      tp=args.tp)
+        block_size = spec.block_size
+        what = (f"{args.model} ({spec.total_layers} layers, dimensions / {args.model_dim_scale}, "
+                f"{spec.bytes_per_block():,} B per block per rank, {args.kv_blocks_per_hash} per trace block)")
+    else:
+        spec = CacheSpec(num_layers=args.num_layers, num_blocks=device_blocks, kv_heads=1, block_size=block_size,
+                         head_dim=args.block_bytes // (2 * block_size))
+        what = f"{args.num_layers} layers, {args.block_bytes} B per layer-block"
+    if args.storage_capacity is None:
+        args.storage_capacity = storage_capacity(spec if args.model else None, unique)
     args.device_blocks = device_blocks
-    print(f"replaying {len(requests)} requests of {source}: TP={args.tp}, {args.num_layers} layers, "
-          f"{args.block_bytes} B per layer-block, device {device_blocks} / host {args.host_blocks} blocks per rank, "
-          f"storage {args.storage}" + (f", {args.instances} instances" if args.instances > 1 else ""), flush=True)
+    print(f"replaying {len(requests)} requests of {source}: TP={args.tp}, {what}, device {device_blocks} / host "
+          f"{args.host_blocks} blocks per rank, storage {args.storage}"
+          + (f", {args.instances} instances" if args.instances > 1 else ""), flush=True)
 
     try:
         result = run_with_storage(args, spec, requests, block_hashes, source, longest * block_size)
@@ -384,7 +462,16 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if not result.get("_reported"):
         report(result, args, source)
-    return 0 if result["corrupt_blocks"] == 0 and not result.get("pd_corrupt_blocks") else 1
+    return 0 if result["corrupt_blocks"] == 0 and not result.get("pd_corrupt_blocks") \
+        and not result.get("pd_corrupt_state_slots") else 1
+
+
+def storage_capacity(layout, distinct_blocks: int) -> str | int:
+    """The FileStore's capacity per rank: 4G, or with a model's layout, a quarter more than every
+    distinct block of the run takes (so a full trace of a wide preset still reaches its ceiling)."""
+    if layout is None:
+        return "4G"
+    return max(4 << 30, distinct_blocks * layout.bytes_per_block() * 5 // 4)
 
 
 def report(result: dict, args: argparse.Namespace, source: str) -> None:
