@@ -1,12 +1,14 @@
 """Which storage objects a task moves: one per block and cache group, all layers of the group.
 
 A block's objects are keyed ``{namespace}/{block hash}/{rank}/{tag}`` (the group's tag: ``k``,
-``v``, ``k_scale``, ``v_scale`` for FastDeploy's caches, the group's name otherwise).  A
-sliding-window group's object exists only for the blocks inside its window at the end of the
-write (attention never reads the others again), and a state group's (one slot per request) only
-for the write's last block, taken from and given to the task's state slot, so a task says per
-block which groups it moves: a mask of ``[blocks, groups]``.  ``None`` is every object of every
-block, the common case, on the paths it always took.
+``v``, ``k_scale``, ``v_scale`` for FastDeploy's caches, the group's name otherwise).  A write
+stores every block group's objects, a sliding window's too: any block may end a later request's
+prefix hit, and its window must then be there (storing only each write's last window served 13.5%
+of a trace whose ceiling is 64%).  A read loads a sliding-window group's objects only for the
+window at the end of its run.  A state group (one slot per request) has one object per write,
+under its last block, taken from and given to the task's state slot.  So a task says per block
+which groups it moves: a mask of ``[blocks, groups]``.  ``None`` is every object of every block,
+the common case, on the paths it always took.
 """
 from __future__ import annotations
 
@@ -54,11 +56,11 @@ class BlockObjects:
 
     # ------------------------------------------------------------------ masks
     def write_mask(self, first: int, n: int, total: int, state: int | None = None) -> np.ndarray | None:
-        """Blocks ``[first, first + n)`` of a write of ``total`` blocks: a windowed group's object
-        only for the blocks inside its window, the last of the write."""
-        if not self.windowed:
+        """Blocks ``[first, first + n)`` of a write of ``total`` blocks: every block group's object,
+        a state group's only for the write's last block (with a state slot)."""
+        if not self.has_state:
             return None
-        w = self._w(state)
+        w = np.where(self._state, self._w(state), -1)
         index = np.arange(first, first + n)[:, None]
         return (w < 0)[None, :] | (index >= total - np.where(w < 0, 0, w)[None, :]) & (w > 0)[None, :]
 

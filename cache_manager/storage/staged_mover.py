@@ -4,7 +4,7 @@ AttentionStore) go through ``device_mover.DeviceStorageMover`` instead.
 
 One storage object is one block of one rank for all layers of one cache group, keyed
 ``{namespace}/{block hash}/{rank}/{tag}``; which objects a task moves is ``block_objects``'s (a
-sliding window's only at the end of a write, a request's state once per write).  The bytes move
+sliding window's read only at the end of a run, a request's state once per write).  The bytes move
 **staged** (the default: through registered staging buffers, so a backend call that outlives its
 task touches only its buffer; a write runs under the task's ``CommitLease``; a late commit of a
 backend that cannot refuse one stores the snapshot only and answers ``Outcome.still_storing``;
