@@ -2,6 +2,8 @@
 import logging
 import os
 import sys
+import threading
+from typing import Callable
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -20,3 +22,26 @@ def quiet_paddle() -> None:
     import warnings
 
     warnings.filterwarnings("ignore", module="paddle")
+
+
+def per_rank(fn: Callable[[int], object], count: int) -> None:
+    """``fn(rank)`` for every rank, in parallel threads when there are several (as the ranks run);
+    the first exception is raised once all have ended."""
+    if count == 1:
+        fn(0)
+        return
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            fn(r)
+        except BaseException as exc:  # noqa: BLE001  (re-raised below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

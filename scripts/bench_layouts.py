@@ -64,12 +64,11 @@ import logging
 import os
 import statistics
 import tempfile
-import threading
 import time
 from typing import Callable
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import quiet_paddle
+from _common import per_rank, quiet_paddle
 
 quiet_paddle()
 
@@ -152,28 +151,6 @@ def memory_needed(bpb: int, state: int, n: int, tp: int, services: int, ctm_byte
 
 
 # ---------------------------------------------------------------------- helpers
-def per_rank(fn: Callable[[int], object], count: int) -> None:
-    """``fn(rank)`` for every rank, in parallel threads when there are several (as the ranks run)."""
-    if count == 1:
-        fn(0)
-        return
-    errors: list[BaseException] = []
-
-    def run(r: int) -> None:
-        try:
-            fn(r)
-        except BaseException as exc:  # noqa: BLE001  (re-raised below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-
-
 def views(svc: CacheTransferService) -> list[dict[str, list[np.ndarray]]]:
     """Per rank, group -> per-layer writable [rows, block_bytes] views of the engine's caches."""
     return [{kind: [svc.platform.raw_view(t) for t in layers] for kind, layers in caches.items()}

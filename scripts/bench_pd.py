@@ -68,11 +68,10 @@ import argparse
 import json
 import logging
 import statistics
-import threading
 import time
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import quiet_paddle, setup_logging
+from _common import per_rank, quiet_paddle, setup_logging
 
 quiet_paddle()
 
@@ -113,28 +112,6 @@ def views(svc: CacheTransferService) -> list[dict[str, list[np.ndarray]]]:
 def compute(seconds: float) -> None:
     """One layer's compute: a sleep (a GPU computing leaves the host's cores to the copy)."""
     time.sleep(seconds)
-
-
-def per_rank(fn, count: int) -> None:
-    """``fn(rank)`` for every rank, in parallel when there are several (as the ranks run)."""
-    if count == 1:
-        fn(0)
-        return
-    errors: list[BaseException] = []
-
-    def run(r: int) -> None:
-        try:
-            fn(r)
-        except BaseException as exc:  # noqa: BLE001  (re-raised below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 GBPS = ("memcpy", "kernel", "ipc_pull", "ipc_push", "raw_read", "te_pull", "raw_write", "te_push")
