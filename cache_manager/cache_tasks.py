@@ -38,6 +38,7 @@ class SwapTask:
     gpu_block_ids: list[int]
     cpu_block_ids: list[int]
     layerwise: LayerwiseRef | None = None  # publish per-layer progress (DESIGN §3.8)
+    state_slots: tuple[int, int] | None = None  # (device slot, host state slot) of the layout's state groups
 
     def result(self) -> tuple:
         return (self.event_type, self.task_id, self.swap_node_ids, self.gpu_block_ids, self.cpu_block_ids)
@@ -188,7 +189,7 @@ def task_from_wire(d: Any) -> Task:
     task_id = _str(d, "task_id")
     if status in SWAP_EVENTS:
         return SwapTask(event, task_id, _int_list(d, "swap_node_ids"), _int_list(d, "gpu_block_ids"),
-                        _int_list(d, "cpu_block_ids"), _layerwise(d))
+                        _int_list(d, "cpu_block_ids"), _layerwise(d), _state_slots(d))
     if status == CacheStatus.CTRL:
         args = d.get("args", {})
         if not isinstance(args, dict):

@@ -67,10 +67,10 @@ from cache_manager.queue.session import STREAM_BROKEN_EXIT
 from cache_manager.queue.unix_address import ctm_queue_endpoint
 from cache_manager.ipc_signal import engine_ipc_suffix
 from cache_manager.layer_progress import LAYER_PROGRESS_SIGNAL
-from cache_manager.rank.layerwise_copy import RankLayerBoard, copy_layerwise, publishing
+from cache_manager.rank.layerwise_copy import RankLayerBoard, publishing
 from cache_manager.rank.resources import RankResources
 from cache_manager.rank.signals import RankSignals
-from cache_manager.rank.swap_plans import SwapPlans
+from cache_manager.rank.swaps import RankSwaps
 
 # A swap this small takes a few microseconds of memcpy, less than handing it to a pool thread:
 # the serve thread runs it (on platforms whose copies cannot stall).  Bigger swaps stay on pools,
@@ -121,7 +121,7 @@ class CacheTransferManager:
         self.resources = RankResources(args, self.layout, self.platform, self.signals, log, self.stop_event,
                                        self._check_engine)
         self.layer_board = RankLayerBoard(args.mp_num, self.ipc_suffix, args.rank, log)
-        self._swap_plans = SwapPlans()  # the kinds' swap plans merged, rebuilt when the plans change
+        self.swaps = RankSwaps(self.platform, self.resources, self.layer_board, self.stop_event, args.num_cpu_blocks)
         self.peers: PeerLinks | None = None  # links to other engine instances' ranks (prefill/decode)
         self.transfers: PeerTransfers | None = None  # the pulls and pushes over them
 
@@ -255,10 +255,11 @@ class CacheTransferManager:
         submit = self.scheduler.submit
         if isinstance(task, SwapTask):
             kind = "swap_to_cpu" if task.event_type == CacheStatus.SWAP2CPU else "swap_to_gpu"
-            touched = chain(zip(repeat("gpu"), task.gpu_block_ids), zip(repeat("cpu"), task.cpu_block_ids))
+            touched = chain(zip(repeat("gpu"), task.gpu_block_ids), zip(repeat("cpu"), task.cpu_block_ids),
+                            zip(("state", "cpu_state"), task.state_slots or ()))
             inline = (self.platform.copies_cannot_stall and task.layerwise is None
                       and len(task.gpu_block_ids) * self.resources.block_bytes_all_layers <= INLINE_SWAP_MAX_BYTES)
-            submit(task.task_id, seq, kind, touched, deadline, lambda: self._swap(task, deadline), inline=inline)
+            submit(task.task_id, seq, kind, touched, deadline, lambda: self.swaps.run(task, deadline), inline=inline)
         elif isinstance(task, PullTask):
             touched = zip(repeat("cpu" if task.placement == "host" else "gpu"), task.dst_block_ids)
             submit(task.task_id, seq, "pd_pull", touched, deadline, lambda: self.transfers.pull(task, deadline),
@@ -271,29 +272,6 @@ class CacheTransferManager:
             touched = zip(repeat("gpu"), task.gpu_block_ids)
             # A storage task that cannot run in time moved 0 blocks, as one whose store is down.
             submit(task.task_id, seq, kind, touched, deadline, lambda: self._storage(task, deadline), drop_value=[])
-
-    def _swap(self, task: SwapTask, deadline: float | None) -> Outcome:
-        mode = ops.DEVICE_TO_HOST if task.event_type == CacheStatus.SWAP2CPU else ops.HOST_TO_DEVICE
-        groups = self.resources.block_groups()
-        plans = [g.swap_plan for g in groups]
-        if task.layerwise is None:  # no board to mark FAILED: spare the round trip a context manager
-            self._check_swap_space()
-            for plan in self._swap_plans.whole(plans) if self.platform.merges_swap_plans else plans:
-                self.platform.run_plan(plan, task.gpu_block_ids, task.cpu_block_ids, mode)
-        else:
-            publisher = self.layer_board.publisher(task.layerwise)
-            with publishing(publisher):
-                self._check_swap_space()
-                copy_layerwise(self.platform, plans, task.gpu_block_ids,
-                               task.cpu_block_ids, mode, publisher,
-                               deadline if deadline is not None else time.monotonic() + 30.0,
-                               task.layerwise.await_compute, self.stop_event, self._swap_plans,
-                               [g.spec.layers for g in groups])
-        return Outcome(bytes_moved=len(task.gpu_block_ids) * self.resources.block_bytes_all_layers)
-
-    def _check_swap_space(self) -> None:
-        if self.args.num_cpu_blocks == 0:
-            raise ValueError("this CTM has no host swap space (--num_cpu_blocks 0)")
 
     def _push(self, task: PushTask, deadline: float | None) -> Outcome:
         publisher = self.layer_board.publisher(task.layerwise) if task.layerwise else None

@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a rank waits at an RL clear/restore barrier for the other ranks before it logs "
                         "the missing ones and arrives at the next")
     p.add_argument("--storage_options", type=_json, default={}, help="JSON options of the storage backend")
+    p.add_argument("--num_cpu_state_slots", type=_nonneg, default=0,
+                   help="host swap slots of the cache layout's state groups (a swap's state_slots)")
     p.add_argument("--cache_layout", default=None,
                    help="a grouped cache layout (JSON text or a JSON file; cache_manager/cache_layout.py): MLA latent "
                         "+ rope, indexers, sliding windows, state; replaces the --key_cache_shape family")

@@ -90,6 +90,7 @@ class CacheTransferService:
         storage_backend: str = "none",
         storage_options: dict[str, Any] | None = None,
         storage_transfer: str = "auto",
+        num_cpu_state_slots: int = 0,  # host slots of a layout's state groups (a swap's state_slots)
         model_id: str = "model",
         model_version: str = "",
         extra_flags: dict[str, object] | None = None,
@@ -111,6 +112,11 @@ class CacheTransferService:
         self.layout = as_layout(spec)  # what every path works on (a CacheSpec's FastDeploy layout, or a grouped one)
         self.tp = tp
         self.num_cpu_blocks = num_cpu_blocks
+        if not isinstance(num_cpu_state_slots, int) or num_cpu_state_slots < 0:
+            raise ValueError(f"num_cpu_state_slots {num_cpu_state_slots!r} must be a non-negative integer")
+        if num_cpu_state_slots and not self.layout.request_slots:
+            raise ValueError(f"num_cpu_state_slots {num_cpu_state_slots}: the cache layout has no state group")
+        self.num_cpu_state_slots = num_cpu_state_slots
         self.platform_name = platform
         self.device_ids = list(device_ids) if device_ids is not None else list(range(tp))
         if len(self.device_ids) != tp:
@@ -232,6 +238,8 @@ class CacheTransferService:
                 flags["speculative_config"] = json.dumps(s.speculative_config())
         else:
             flags["cache_layout"] = json.dumps(s.to_json(), separators=(",", ":"))
+            if self.num_cpu_state_slots:
+                flags["num_cpu_state_slots"] = self.num_cpu_state_slots
         flags.update(self.extra_flags)
         return flags
 
@@ -264,18 +272,21 @@ class CacheTransferService:
         return None
 
     def swap_to_cpu(self, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any = None,
-                    timeout: float | None = None, layerwise: bool = False) -> Future:
+                    timeout: float | None = None, layerwise: bool = False, state_slots: Any = None) -> Future:
         """Copy device blocks to host swap space on every rank.  Result:
         ``(event_type, task_id, swap_node_ids, gpu_block_ids, cpu_block_ids)``.  With
-        ``layerwise=True`` the ranks copy layer ``l`` once ``future.layer_computed(l + 1)`` was called."""
-        task = swap_task(CacheStatus.SWAP2CPU, gpu_block_ids, cpu_block_ids, swap_node_ids)
+        ``layerwise=True`` the ranks copy layer ``l`` once ``future.layer_computed(l + 1)`` was called.
+        ``state_slots``: (device slot, host state slot): the request's state groups too."""
+        task = swap_task(CacheStatus.SWAP2CPU, gpu_block_ids, cpu_block_ids, swap_node_ids, state_slots,
+                         self.layout.request_slots, self.num_cpu_state_slots)
         return self._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=True)
 
     def swap_to_gpu(self, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any = None,
-                    timeout: float | None = None, layerwise: bool = False) -> Future:
+                    timeout: float | None = None, layerwise: bool = False, state_slots: Any = None) -> Future:
         """Copy host swap blocks back into device blocks on every rank; same result shape.  With
         ``layerwise=True``, ``future.wait_for_layer(l)`` returns once layer ``l`` landed on every rank."""
-        task = swap_task(CacheStatus.SWAP2GPU, gpu_block_ids, cpu_block_ids, swap_node_ids)
+        task = swap_task(CacheStatus.SWAP2GPU, gpu_block_ids, cpu_block_ids, swap_node_ids, state_slots,
+                         self.layout.request_slots, self.num_cpu_state_slots)
         return self._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=False)
 
     def write_storage(self, keys: Sequence[str], gpu_block_ids: Any, token_ids: Sequence[int] | None = None,

@@ -162,12 +162,15 @@ class RankResources:
     def alloc_swap(self) -> None:
         """Give every attached kind its host swap space and plan its copies: the space kept from
         before a detach if there is one, else newly allocated."""
-        n = self._args.num_cpu_blocks
-        if n == 0:
+        slots = {True: self._args.num_cpu_blocks, False: getattr(self._args, "num_cpu_state_slots", 0)}
+        if not any(slots[g.moves_by_block] for g in self.groups):
             return
         self.memory_generation += 1
         allocated = 0
-        for g in self.block_groups():  # a state group's slots are not swapped by block
+        for g in self.groups:  # blocks, and a state group's host state slots
+            n = slots[g.moves_by_block]
+            if n == 0:
+                continue
             kept = self._kept_host.pop(g.kind, None)
             if kept is None:
                 t = g.tensors[0]
@@ -177,7 +180,8 @@ class RankResources:
             g.host_ptrs = kept
             g.swap_plan = self._platform.plan_all_layers(g.tensors, g.host_ptrs, n)
         if allocated:
-            self._log.info("allocated %.1f MiB of host swap space (%d blocks)", allocated / 2**20, n)
+            self._log.info("allocated %.1f MiB of host swap space (%d blocks, %d state slots)", allocated / 2**20,
+                           slots[True], slots[False])
         else:
             self._log.info("host swap space kept; copies re-planned onto the attached caches")
 

@@ -9,7 +9,9 @@ did not hear of the restart never computes on wrong bytes (DESIGN §3.8, "Genera
 
 What writes a slot: a swap-out (``SWAP2CPU``, its ``cpu_block_ids``) and a prefill/decode pull into
 host swap space (``PEER_PULL`` with ``"placement": "host"``, its ``dst_block_ids``).  What reads one:
-a swap-in (``SWAP2GPU``, its ``cpu_block_ids``).  A write makes its slots good again.
+a swap-in (``SWAP2GPU``, its ``cpu_block_ids``).  A write makes its slots good again.  A swap's
+``state_slots`` (device slot, host slot) write or read a host *state* slot the same way: host
+state slots are a space of their own, recorded as ``("state", slot)``.
 """
 from __future__ import annotations
 
@@ -22,19 +24,26 @@ from .errors import TaskFailedError
 MAX_NAMED_SLOTS = 8  # an error names at most this many slots
 
 
+def _state(task: dict) -> list:
+    slots = task.get("state_slots")
+    return [("state", slots[1])] if isinstance(slots, list) and len(slots) == 2 else []
+
+
 def slots_written(task: dict) -> list | None:
-    """The host slots ``task`` writes (as given), or None."""
+    """The host slots ``task`` writes (as given; a state slot as ``("state", slot)``), or None."""
     event = task.get("event_type")
     if event == CacheStatus.SWAP2CPU:
-        return task.get("cpu_block_ids")
+        return list(task.get("cpu_block_ids") or []) + _state(task)
     if event == CacheStatus.PEER_PULL and task.get("placement") == "host":
         return task.get("dst_block_ids")
     return None
 
 
 def slots_read(task: dict) -> list | None:
-    """The host slots ``task`` reads (as given), or None."""
-    return task.get("cpu_block_ids") if task.get("event_type") == CacheStatus.SWAP2GPU else None
+    """The host slots ``task`` reads (as given; a state slot as ``("state", slot)``), or None."""
+    if task.get("event_type") == CacheStatus.SWAP2GPU:
+        return list(task.get("cpu_block_ids") or []) + _state(task)
+    return None
 
 
 class HostSlots:
@@ -68,8 +77,8 @@ class HostSlots:
         given = written if written is not None else read
         if not isinstance(given, list):
             return None
-        slots = [s for s in given if type(s) is int and s >= 0
-                 and (self._num_slots is None or s < self._num_slots)]  # the ranks refuse the rest
+        slots = [s for s in given if (type(s) is int and s >= 0 and (self._num_slots is None or s < self._num_slots))
+                 or (isinstance(s, tuple) and type(s[1]) is int and s[1] >= 0)]  # the ranks refuse the rest
         with self._lock:
             if written is not None:
                 self._written.update(slots)
@@ -80,7 +89,8 @@ class HostSlots:
         if not lost:
             return None
         rank = min(lost.values())
-        named = sorted(s for s, r in lost.items() if r == rank)
+        named = sorted((s for s, r in lost.items() if r == rank), key=lambda s: (isinstance(s, tuple), str(s)
+                       if isinstance(s, tuple) else s))
         return TaskFailedError(task.get("task_id", "(not submitted)"),
                                {rank: f"host slots {named[:MAX_NAMED_SLOTS]} lost their contents when this rank's "
                                       "CTM was replaced (restarted or rejoined with new swap space): write the "

@@ -26,11 +26,21 @@ def block_ids(ids: Any, what: str) -> list[int]:
     return out
 
 
-def swap_task(event: CacheStatus, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any) -> dict:
-    """A SWAP2CPU or SWAP2GPU task."""
+def swap_task(event: CacheStatus, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any,
+              state_slots: Any = None, device_slots: int = 0, host_slots: int = 0) -> dict:
+    """A SWAP2CPU or SWAP2GPU task; ``state_slots``: (device slot, host state slot) of the request's
+    state, checked against the layout's ``device_slots`` and the ranks' ``host_slots``."""
     nodes = block_ids(swap_node_ids if swap_node_ids is not None else [], "swap_node_ids")
-    return {"event_type": int(event), "swap_node_ids": nodes, "gpu_block_ids": block_ids(gpu_block_ids, "gpu_block_ids"),
+    task = {"event_type": int(event), "swap_node_ids": nodes, "gpu_block_ids": block_ids(gpu_block_ids, "gpu_block_ids"),
             "cpu_block_ids": block_ids(cpu_block_ids, "cpu_block_ids")}
+    if state_slots is not None:
+        if not isinstance(state_slots, (list, tuple)) or len(state_slots) != 2:
+            raise ValueError(f"state_slots {state_slots!r:.60} must be (device slot, host state slot)")
+        if not host_slots:
+            raise ValueError("state_slots: the CTMs have no host state slots (num_cpu_state_slots 0)")
+        task["state_slots"] = [state_slot(state_slots[0], device_slots, "state_slots[0]"),
+                               state_slot(state_slots[1], host_slots, "state_slots[1] (a host state slot)")]
+    return task
 
 
 def state_slot(slot: Any, slots: int, what: str = "state_slot") -> int:

@@ -354,3 +354,37 @@ def test_heads_replicated_over_more_ranks_than_the_model_has_are_read_from_one_r
                 replicas = [source[(model_head * 2 + k, group, i)].reshape(2, -1) for k in range(2)]
                 assert any(np.array_equal(heads[:, h], rep) for rep in replicas), (rank, group, i, h)
         assert target.close()
+
+
+def test_a_requests_state_swaps_to_host_state_slots_and_back_whole_and_layer_by_layer():
+    """qwen3-next: a swap names (device slot, host state slot); the state groups' slot moves with
+    the blocks, bit-exact, a layer-wise swap-in lands it before any layer; a rank replaced since
+    the swap-out emptied its host state slots, and a swap-in from one is refused naming it."""
+    svc = start_service(layout("qwen3-next"), tp=TP, num_cpu_blocks=4, num_cpu_state_slots=2)
+    try:
+        fill_distinct(svc, seed=21)
+        state = state_keys(svc)
+        slot1 = {k: views(svc)[k][1].copy() for k in state}
+        want = blocks(svc, [1, 2], state)
+        assert svc.swap_to_cpu([1, 2], [0, 1], state_slots=(1, 1)).result(timeout=30)
+        assert svc.swap_to_gpu([5, 6], [0, 1], state_slots=(3, 1)).result(timeout=30)
+        same(blocks(svc, [5, 6], state), want)
+        for k, v in slot1.items():
+            assert np.array_equal(views(svc)[k][3], v), k
+
+        future = svc.swap_to_gpu([7, 8], [0, 1], layerwise=True, state_slots=(0, 1))
+        future.wait_for_layer(0, timeout=20)
+        for k, v in slot1.items():  # the state landed before layer 0 was published
+            assert np.array_equal(views(svc)[k][0], v), k
+        assert future.result(timeout=20)
+        same(blocks(svc, [7, 8], state), want)
+
+        with pytest.raises(ValueError, match=r"state_slots\[1\] \(a host state slot\) 2 must be an integer in \[0, 2\)"):
+            svc.swap_to_cpu([1], [0], state_slots=(1, 2))
+        replaced = svc.rank_replacements
+        svc.restart_rank(1)
+        assert svc.rank_replacements == replaced + 1
+        with pytest.raises(Exception, match=r"host slots \[.*\('state', 1\)\] lost their contents"):
+            svc.swap_to_gpu([9], [0], state_slots=(2, 1)).result(timeout=30)
+    finally:
+        svc.shutdown()

@@ -41,8 +41,10 @@ def test_keys_are_path_safe_and_validated():
     key = storage_key(Namespace(**NS), "ab" * 32, 1, "v_scale")
     ns, h, rank, kind = key.split("/")
     assert (h, rank, kind) == ("ab" * 32, "1", "v_scale") and ns.startswith("model-tp2-")
-    with pytest.raises(ValueError, match="kind 'x'"):
-        storage_key(Namespace(**NS), "ab", 0, "x")
+    assert storage_key(Namespace(**NS), "ab", 0, "latent_caches").endswith("/0/latent_caches")  # a group's tag
+    for bad in ("X", "../k", "k/v", "", "latent-caches", 3):
+        with pytest.raises(ValueError, match="must be one of"):
+            storage_key(Namespace(**NS), "ab", 0, bad)
     with pytest.raises(ValueError, match="tp_size 0"):
         Namespace(**{**NS, "tp_size": 0})
     with pytest.raises(ValueError, match="token id 'a'"):
