@@ -45,3 +45,14 @@ def per_rank(fn: Callable[[int], object], count: int) -> None:
         t.join()
     if errors:
         raise errors[0]
+
+
+def rounded(value: object) -> object:
+    """``value`` with every float rounded to 4 places, inside dicts and lists too (a JSON line)."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: rounded(x) for k, x in value.items()}
+    if isinstance(value, list):
+        return [rounded(x) for x in value]
+    return value

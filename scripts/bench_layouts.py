@@ -68,7 +68,7 @@ import time
 from typing import Callable
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import per_rank, quiet_paddle
+from _common import per_rank, quiet_paddle, rounded
 
 quiet_paddle()
 
@@ -593,14 +593,6 @@ def main() -> None:
             print_result(r)
     floors = [r["memcpy_gbps"] for r in results if r.get("memcpy_gbps")]
 
-    def rounded(v):
-        if isinstance(v, float):
-            return round(v, 4)
-        if isinstance(v, dict):
-            return {k: rounded(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [rounded(x) for x in v]
-        return v
     print(json.dumps({"bench": "layouts", "layers": args.layers, "mib": args.mib, "repeats": args.repeats,
                       "copy_threads": default_copy_threads(), "results": rounded(results),
                       "floor_gbps": round(statistics.median(floors), 4) if floors else None}))

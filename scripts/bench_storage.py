@@ -39,7 +39,7 @@ import time
 from typing import Callable
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import quiet_paddle
+from _common import quiet_paddle, rounded
 
 quiet_paddle()
 
@@ -361,14 +361,6 @@ def main() -> None:
     if args.only != "mooncake":
         file_rounds(args, spec, out)
 
-    def rounded(v):
-        if isinstance(v, float):
-            return round(v, 4)
-        if isinstance(v, dict):
-            return {k: rounded(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [rounded(x) for x in v]
-        return v
     print(json.dumps(rounded(out)))
 
 
