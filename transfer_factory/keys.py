@@ -6,6 +6,13 @@ every process and host computes the same keys.  The key of one rank's share of a
 ``{namespace}/{h_n}/{rank}/{k|v|k_scale|v_scale}``; the namespace carries the model id and
 version, TP size, cache dtype, block size, layer count, layout version and (for a grouped cache layout) the layout's
 digest, so two models, two TP layouts or two cache layouts never share a key.
+
+**Tenant salts** (vLLM's ``cache_salt``).  ``salted_hashes(hashes, cache_salt)`` is the one place a
+request's salt enters a block's identity: with a salt, every block hash becomes
+``SHA256("ctm-cache-salt" || salt || h)``, so the storage key, the prefix cache's lookups, the P/D
+handle and the KV events of one tenant's blocks never equal another tenant's; with no salt (None or
+"") the hashes are returned unchanged, exactly as before salts existed.  ``salt_tag(cache_salt)`` is
+what leaves the engine in place of the salt (KV events, P/D tickets): a digest, never the salt.
 """
 from __future__ import annotations
 
@@ -77,6 +84,43 @@ def chain_hash_ids(ids: Iterable[object], parent: str | None = None) -> list[str
         prev = hashlib.sha256(prev + str(block_id).encode()).digest()
         out.append(prev.hex())
     return out
+
+
+_SALT_DOMAIN = b"ctm-cache-salt\x00"
+MAX_SALT_BYTES = 256
+
+
+def _salt_bytes(cache_salt: str | None) -> bytes:
+    if cache_salt is None:
+        return b""
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt {cache_salt!r:.40} must be a string or None")
+    raw = cache_salt.encode()
+    if len(raw) > MAX_SALT_BYTES:
+        raise ValueError(f"cache_salt of {len(raw)} bytes is longer than {MAX_SALT_BYTES}")
+    return raw
+
+
+def salted_hashes(hashes: Sequence[str], cache_salt: str | None) -> list[str]:
+    """The block hashes a request with ``cache_salt`` is cached under (unchanged without a salt)."""
+    raw = _salt_bytes(cache_salt)
+    if not raw:
+        return list(hashes)
+    prefix = _SALT_DOMAIN + len(raw).to_bytes(2, "big") + raw
+    out = []
+    for h in hashes:
+        try:
+            block = bytes.fromhex(h)
+        except (TypeError, ValueError):
+            raise ValueError(f"block hash {h!r:.40} is not hex") from None
+        out.append(hashlib.sha256(prefix + block).hexdigest())
+    return out
+
+
+def salt_tag(cache_salt: str | None) -> str:
+    """A 16-hex digest naming the salt (empty without one): what events and tickets carry."""
+    raw = _salt_bytes(cache_salt)
+    return hashlib.sha256(_SALT_DOMAIN + b"tag\x00" + raw).hexdigest()[:16] if raw else ""
 
 
 _GROUP_TAG = re.compile(r"[a-z][a-z0-9_]{0,47}")

@@ -38,6 +38,8 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
+from transfer_factory.keys import salted_hashes
+
 from ..core.late_tasks import Quarantine, bytes_moved, outcome
 from .device_pool import DevicePool
 from .host_tier import HostTier
@@ -227,10 +229,13 @@ class TieredPrefixCache:
         return slots + self._policy.leave_host(evicted) if evicted else slots
 
     # ------------------------------------------------------------------ requests
-    def acquire(self, hashes: Sequence[str]) -> Lease:
-        """Find and load the request's cached prefix; every block of the lease is pinned."""
+    def acquire(self, hashes: Sequence[str], cache_salt: str | None = None,
+                request_id: str | None = None) -> Lease:
+        """Find and load the request's cached prefix; every block of the lease is pinned.
+        ``cache_salt``: the tenant's salt; the lease's hashes are the salted ones, so blocks of
+        different salts never serve each other in any tier (``transfer_factory.keys.salted_hashes``)."""
         self._forget_host_tier_after_restarts()
-        hashes = list(hashes)
+        hashes = salted_hashes(hashes, cache_salt)
         n = len(hashes)
         sources: list[str] = []
         gpu: list[int] = []
@@ -266,7 +271,7 @@ class TieredPrefixCache:
             gpu[i] = next(it)
         gpu += list(it)
         sources += ["miss"] * (n - first_uncached)
-        lease = Lease(hashes, gpu, sources)
+        lease = Lease(hashes, gpu, sources, cache_salt=cache_salt or None, request_id=request_id)
         try:
             load_from = self._swap_in(lease, host_pos, first_uncached, held)
             self._host.put_back(held)  # the host copies stay valid: back in the LRU, most recent

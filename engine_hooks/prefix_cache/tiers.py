@@ -15,9 +15,11 @@ class CapacityError(ValueError):
 class Lease:
     """One request's blocks: the device block and where its contents came from, per position."""
 
-    hashes: list[str]
+    hashes: list[str]  # salted with ``cache_salt`` (``transfer_factory.keys.salted_hashes``)
     gpu_blocks: list[int]
     sources: list[str]
+    cache_salt: str | None = None  # the tenant's salt (vLLM's name); None: unsalted
+    request_id: str | None = None  # the engine's request id, carried by every task made for the lease
 
     def positions(self, tier: str) -> list[int]:
         return [i for i, s in enumerate(self.sources) if s == tier]
