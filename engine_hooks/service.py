@@ -290,29 +290,34 @@ class CacheTransferService:
         return self._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=False)
 
     def write_storage(self, keys: Sequence[str], gpu_block_ids: Any, token_ids: Sequence[int] | None = None,
-                      timeout: float | None = None, layerwise: bool = False, state_slot: int | None = None) -> Future:
+                      timeout: float | None = None, layerwise: bool = False, state_slot: int | None = None,
+                      cache_salt: str | None = None) -> Future:
         """Write-through: store blocks ``gpu_block_ids`` under the chained block hashes ``keys``
         on every rank, skipping the leading blocks already stored.  Resolves to the gpu block
         ids stored on every rank (a leading run; 0 blocks when storage is down).  With
         ``layerwise=True`` the ranks stage layer ``l`` once ``future.layer_computed(l + 1)`` was called.
-        ``state_slot``: the request's slot of the layout's state groups, stored with the last block."""
+        ``state_slot``: the request's slot of the layout's state groups, stored with the last block.
+        ``cache_salt``: the tenant's salt: the blocks are stored under the salted hashes of ``keys``."""
         timeout = self.task_timeout if timeout is None else float(timeout)
         slot = None if state_slot is None else wire_state_slot(state_slot, self.layout.request_slots)
-        task = storage_task(CacheStatus.GPU2STORAGE, keys, gpu_block_ids, token_ids, timeout, state_slot=slot)
+        task = storage_task(CacheStatus.GPU2STORAGE, keys, gpu_block_ids, token_ids, timeout, state_slot=slot,
+                            cache_salt=cache_salt)
         return self._submit_maybe_layerwise(task, timeout, self.storage_grace, layerwise, is_store=True)
 
     def read_storage(self, keys: Sequence[str], gpu_block_ids: Any, start_read_block_idx: int = 0,
                      token_ids: Sequence[int] | None = None, timeout: float | None = None,
-                     layerwise: bool = False, state_slot: int | None = None) -> Future:
+                     layerwise: bool = False, state_slot: int | None = None,
+                     cache_salt: str | None = None) -> Future:
         """Load ``keys[start_read_block_idx:]`` into ``gpu_block_ids``.  Resolves to the gpu block
         ids loaded: the leading run present on every rank (the minimum over ranks).  With
         ``layerwise=True``, ``future.wait_for_layer(l)`` returns the blocks of layer ``l`` landed on
         every rank as soon as they are.  ``state_slot``: the slot the state of the run's end
-        (stored by a write that ended there) is loaded into; a run is cut back to where one was."""
+        (stored by a write that ended there) is loaded into; a run is cut back to where one was.
+        ``cache_salt``: the tenant's salt: only blocks stored under the same salt are found."""
         timeout = self.task_timeout if timeout is None else float(timeout)
         slot = None if state_slot is None else wire_state_slot(state_slot, self.layout.request_slots)
         task = storage_task(CacheStatus.STORAGE2GPU, keys, gpu_block_ids, token_ids, timeout, start_read_block_idx,
-                            slot)
+                            slot, cache_salt=cache_salt)
         return self._submit_maybe_layerwise(task, timeout, self.storage_grace, layerwise, is_store=False)
 
     def _submit_maybe_layerwise(self, task: dict, timeout: float | None, grace: float, layerwise: bool,

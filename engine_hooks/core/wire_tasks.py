@@ -8,6 +8,7 @@ import numpy as np
 
 from cache_manager.cache_data import CacheStatus
 from ops.layout import plain_int_list
+from transfer_factory.keys import salted_hashes
 
 
 def block_ids(ids: Any, what: str) -> list[int]:
@@ -53,15 +54,18 @@ def state_slot(slot: Any, slots: int, what: str = "state_slot") -> int:
 
 
 def storage_task(event: CacheStatus, keys: Sequence[str], gpu_block_ids: Any, token_ids: Sequence[int] | None,
-                 timeout: float, start_read_block_idx: int | None = None, state_slot: int | None = None) -> dict:
+                 timeout: float, start_read_block_idx: int | None = None, state_slot: int | None = None,
+                 cache_salt: str | None = None) -> dict:
     """A GPU2STORAGE task, or (with ``start_read_block_idx``) a STORAGE2GPU one; ``timeout`` is the
     ranks' own, past which they answer with 0 blocks.  ``state_slot`` (checked by the caller): the
-    request's state, stored with the write's last block, loaded with the read run's last."""
+    request's state, stored with the write's last block, loaded with the read run's last.
+    ``cache_salt``: the tenant's salt; the keys sent are the salted hashes (``keys.salted_hashes``),
+    so every storage key of a salted request differs from every other tenant's."""
     if start_read_block_idx is not None and (not isinstance(start_read_block_idx, int) or start_read_block_idx < 0):
         raise ValueError(f"start_read_block_idx {start_read_block_idx!r} must be a non-negative integer")
     if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
         raise ValueError("keys must be a list of block-hash strings")
-    task = {"event_type": int(event), "keys": list(keys), "gpu_block_ids": block_ids(gpu_block_ids, "gpu_block_ids"),
+    task = {"event_type": int(event), "keys": salted_hashes(keys, cache_salt), "gpu_block_ids": block_ids(gpu_block_ids, "gpu_block_ids"),
             "token_ids": block_ids(token_ids or [], "token_ids"), "timeout": timeout}
     if start_read_block_idx is not None:
         task["start_read_block_idx"] = start_read_block_idx
