@@ -78,6 +78,7 @@ from engine_hooks.prefix_cache.write_policy import default_bounce_blocks  # noqa
 from ops.procs import PathReaper  # noqa: E402
 import replay_instances  # noqa: E402
 import replay_pd  # noqa: E402
+import replay_tenants  # noqa: E402
 from replay_workload import (HASH_BLOCK_TOKENS, BadTraceLine, ByteLedger, Content, Request, Tally,  # noqa: E402
                              generate_workload, load_trace, model_result, naive_block_bytes, request_hashes,
                              serve_request, summarize)
@@ -121,14 +122,16 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
                               write_threshold=args.write_threshold, use_storage=args.storage != "none",
                               task_timeout=args.task_timeout)
     content = Content(svc)
-    tally = Tally(requests, request_block_hashes, args.kv_blocks_per_hash)
+    steps = replay_tenants.plan(requests, request_block_hashes, args.tenants)
+    tally = Tally([r for r, _, _ in steps], [h for _, h, _ in steps], args.kv_blocks_per_hash)
+    tenants = replay_tenants.TenantTally()
     ledger = ByteLedger(svc.tp * naive_block_bytes(svc.layout)) if args.model else None
-    progress = Progress(len(requests), not args.no_progress)
+    progress = Progress(len(steps), not args.no_progress)
     t0 = time.perf_counter()
-    for done, (req, hashes) in enumerate(zip(requests, request_block_hashes), start=1):
-        ceiling = tally.ceiling(hashes)
+    for done, (req, hashes, tenant) in enumerate(steps, start=1):
+        ceiling = tally.ceiling(tenant.content_keys(hashes) if tenant else hashes)
         try:
-            served = serve_request(cache, content, req.line, hashes, log)
+            served = serve_request(cache, content, req.line, hashes, log, tenant)
         except CapacityError as exc:
             log.warning("request on line %d skipped: %s", req.line, exc)
             tally.skipped += 1
@@ -138,6 +141,7 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
         if served is None:
             continue
         tally.add(req, served, ceiling)
+        tenants.add(tenant, served.sources, ceiling, served.cross_tenant)
         progress.update(done, tally.hit_ratio())
     if not cache.drain():
         log.warning("storage writes or late tasks still outstanding at the end of the replay")
@@ -149,6 +153,7 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
     if ledger is not None:
         ledger.close(stats)
         result.update(model_result(args.model, svc.layout, svc.tp, args, ledger))
+    result.update(tenants.result(args.tenants))
     result["_timeline"] = tally.timeline
     return result
 
@@ -370,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the metrics endpoint up this many seconds after the summary")
     replay_instances.add_arguments(p)
     replay_pd.add_arguments(p)
+    replay_tenants.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print a final JSON line")
     p.add_argument("--plot", help="write a PNG: hit ratio over time and the tier breakdown")
     p.add_argument("--no-progress", action="store_true")
@@ -400,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model and args.kill_instance_at is not None:
         parser.error("--kill-instance-at counts the blocks the pool lost by K/V keys: not with --model")
     replay_pd.check_arguments(parser, args)
+    replay_tenants.check_arguments(parser, args)
     if HASH_BLOCK_TOKENS % args.kv_blocks_per_hash:
         parser.error(f"--kv-blocks-per-hash {args.kv_blocks_per_hash} must divide {HASH_BLOCK_TOKENS}")
     block_size = HASH_BLOCK_TOKENS // args.kv_blocks_per_hash
@@ -429,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kill_instance_at is not None and args.kill_instance_at > len(requests):
         parser.error(f"--kill-instance-at {args.kill_instance_at}: the replay has {len(requests)} requests")
     block_hashes = [request_hashes(r, args.kv_blocks_per_hash) for r in requests]
-    unique = len({h for hashes in block_hashes for h in hashes})
+    unique = len({h for hashes in block_hashes for h in hashes}) * args.tenants  # each tenant's blocks are its own
     longest = max(len(r.hash_ids) for r in requests) * args.kv_blocks_per_hash
     device_blocks = max(args.device_blocks, longest)
     if args.unbounded:

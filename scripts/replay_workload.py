@@ -11,10 +11,11 @@ import collections
 import json
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from replay_tenants import Tenant, cross_tenant
 from transfer_factory.keys import chain_hash_ids
 
 HASH_BLOCK_TOKENS = 512
@@ -269,17 +270,26 @@ class Served:
     verified: int  # transferred into device blocks (from host or storage) and bit-exact
     device_hits: int  # already on device: checked, no bytes moved
     corrupt: int  # found with wrong bytes: recomputed
+    cross_tenant: collections.Counter = field(default_factory=collections.Counter)  # per tier
 
 
-def serve_request(cache, content: Content, line: int, hashes: list[str], log: logging.Logger) -> Served:
+def serve_request(cache, content: Content, line: int, hashes: list[str], log: logging.Logger,
+                  tenant: "Tenant | None" = None) -> Served:
     """One request through an engine's ``TieredPrefixCache``: acquire its prefix, verify every block
     found against its expected bytes (a sliding-window group's inside the request's window:
     ``Content``; a wrong one is logged and recomputed), compute the misses, commit and release (the
-    write policy's writes go out).  Raises ``CapacityError``."""
-    lease = cache.acquire(hashes)
+    write policy's writes go out).  ``tenant`` (``replay_tenants``): the request's cache_salt, and the
+    keys its contents derive from.  Raises ``CapacityError``."""
+    salt = tenant.salt if tenant is not None else None
+    lease = cache.acquire(hashes, cache_salt=salt)
+    keys = tenant.content_keys(hashes) if tenant is not None else hashes
     hit_pos = [i for i, s in enumerate(lease.sources) if s != "miss"]
-    ok = content.verify([hashes[i] for i in hit_pos], [lease.gpu_blocks[i] for i in hit_pos],
+    ok = content.verify([keys[i] for i in hit_pos], [lease.gpu_blocks[i] for i in hit_pos],
                         tail=[len(hashes) - 1 - i for i in hit_pos])
+    bad = [i for i, good in zip(hit_pos, ok) if not good]
+    foreign = cross_tenant(content, tenant, [hashes[i] for i in bad], [lease.gpu_blocks[i] for i in bad],
+                           tail=[len(hashes) - 1 - i for i in bad])
+    cross = collections.Counter(lease.sources[i] for i, f in zip(bad, foreign) if f)
     verified = device_hits = corrupt = 0
     for i, good in zip(hit_pos, ok):
         if good:
@@ -294,10 +304,10 @@ def serve_request(cache, content: Content, line: int, hashes: list[str], log: lo
             lease.sources[i] = "miss"
     cache.svc.metrics.record_sources(lease.sources)  # what each tier served, after verification
     miss_pos = lease.positions("miss")
-    content.write([hashes[i] for i in miss_pos], [lease.gpu_blocks[i] for i in miss_pos])
+    content.write([keys[i] for i in miss_pos], [lease.gpu_blocks[i] for i in miss_pos])
     cache.commit(lease)
     cache.release(lease)
-    return Served(list(lease.sources), verified, device_hits, corrupt)
+    return Served(list(lease.sources), verified, device_hits, corrupt, cross)
 
 
 class Tally:
