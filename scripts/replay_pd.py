@@ -56,6 +56,7 @@ from engine_hooks import CacheTransferService
 from engine_hooks.core.late_tasks import bytes_moved, released_of
 from engine_hooks.pd import TRANSPORT_CHOICES, PrefillDecode, offer_for
 from engine_hooks.prefix_cache import CapacityError, TieredPrefixCache, TierStats
+import replay_tenants
 from replay_instances import Router
 from replay_pd_decode import DecodeInstance, PDStats
 from replay_workload import ByteLedger, Content, Tally, model_result, naive_block_bytes, serve_request, summarize
@@ -142,8 +143,13 @@ class Handoff:
     """One request's way from a prefill instance to a decode instance.  Never raises: a failure is
     counted and the request dropped on D."""
 
-    def __init__(self, p: "PrefillInstance", d: DecodeInstance, line: int, hashes: list[str], args, stats: PDStats):
-        self.p, self.d, self.line, self.hashes, self.args, self.stats = p, d, line, hashes, args, stats
+    def __init__(self, p: "PrefillInstance", d: DecodeInstance, line: int, hashes: list[str], args, stats: PDStats,
+                 tenant: "replay_tenants.Tenant | None" = None):
+        self.p, self.d, self.line, self.args, self.stats = p, d, line, args, stats
+        self.tenant, self.salt = tenant, tenant.salt if tenant is not None else None
+        self.trace_hashes = hashes  # the trace's: another tenant's contents derive from them
+        self.hashes = tenant.content_keys(hashes) if tenant is not None else hashes  # this request's contents'
+        self.cross_tenant = 0  # blocks D received holding another tenant's bytes
         self.lease = None
         self.dst: list[int] = []
         self.target = self.future = None
@@ -176,10 +182,11 @@ class Handoff:
         try:
             self.dst = self.d.allocate(len(self.lease.gpu_blocks))
             self.d_slot = self.d.allocate_slot()
-            self.target = self.d.side.receive_push(self.p.id, self.dst, timeout=timeout)
+            self.target = self.d.side.receive_push(self.p.id, self.dst, timeout=timeout, cache_salt=self.salt)
             self.t0 = time.perf_counter()
             self.future = self.p.side.push_blocks(self.d.id, self.target.ticket, self.lease.gpu_blocks,
-                                                  layerwise=True, timeout=timeout, state_slots=self.state_slots)
+                                                  layerwise=True, timeout=timeout, state_slots=self.state_slots,
+                                                  cache_salt=self.salt)
         except Exception as exc:
             self._fail("starting the push", exc)
         layers = self.target.layers if self.target is not None else self.p.svc.layout.total_layers
@@ -222,11 +229,11 @@ class Handoff:
         timeout = self.args.task_timeout
         self.dst = self.d.allocate(len(self.lease.gpu_blocks))
         self.d_slot = self.d.allocate_slot()
-        handle = self.p.side.expose(f"line-{self.line}")
+        handle = self.p.side.expose(f"line-{self.line}", cache_salt=self.salt)
         try:
             self.t0 = time.perf_counter()
             self.future = self.d.side.pull_blocks(self.p.id, handle, self.lease.gpu_blocks, self.dst,
-                                                  timeout=timeout, state_slots=self.state_slots)
+                                                  timeout=timeout, state_slots=self.state_slots, cache_salt=self.salt)
             got = self.future.result(timeout=timeout + 10)
             self._landed(time.perf_counter(), got)
         finally:
@@ -259,6 +266,11 @@ class Handoff:
             ok &= self.d.content.same_as(self.p.content, self.dst, self.lease.gpu_blocks)
         self.stats.blocks += len(self.dst)
         bad = int((~ok).sum())
+        if bad and self.tenant is not None:
+            wrong = [b for b, good in zip(self.dst, ok) if not good]
+            tails = [n - 1 - i for i, good in enumerate(ok) if not good]
+            self.stats.cross_tenant += sum(replay_tenants.cross_tenant(
+                self.d.content, self.tenant, [h for h, good in zip(self.trace_hashes, ok) if not good], wrong, tails))
         state_ok = True
         if self.d_slot is not None:
             state_ok = self.d.content.verify_state(self.hashes[-1], self.d_slot)
@@ -304,8 +316,8 @@ class PrefillInstance:
         self.content = Content(svc)
         self.handoff: Handoff | None = None
 
-    def acquire(self, hashes):
-        self.handoff.lease = self.cache.acquire(hashes)
+    def acquire(self, hashes, cache_salt=None):
+        self.handoff.lease = self.cache.acquire(hashes, cache_salt=cache_salt)
         return self.handoff.lease
 
     def commit(self, lease) -> None:
@@ -380,19 +392,21 @@ def _cache_stats(prefills: list[PrefillInstance]) -> dict:
 
 def _replay(args, prefills: list[PrefillInstance], decodes: list[DecodeInstance], requests, block_hashes,
             progress) -> dict:
-    tally = Tally(requests, block_hashes, args.kv_blocks_per_hash)
+    steps = replay_tenants.plan(requests, block_hashes, args.tenants)
+    tally = Tally([r for r, _, _ in steps], [h for _, h, _ in steps], args.kv_blocks_per_hash)
+    tenants = replay_tenants.TenantTally()
     p_svc, d_svc = prefills[0].svc, decodes[0].svc
     stats = PDStats(stateful=bool(p_svc.layout.request_slots))
     ledger = ByteLedger(p_svc.tp * naive_block_bytes(p_svc.layout),
                         d_svc.tp * naive_block_bytes(d_svc.layout)) if args.model else None
     route_p, route_d = Router(len(prefills), args.route), Router(len(decodes), "round-robin")
     t0 = time.perf_counter()
-    for done, (req, hashes) in enumerate(zip(requests, block_hashes), start=1):
-        ceiling = tally.ceiling(hashes)
+    for done, (req, hashes, tenant) in enumerate(steps, start=1):
+        ceiling = tally.ceiling(tenant.content_keys(hashes) if tenant else hashes)
         p, d = prefills[route_p.pick(req)], decodes[route_d.pick(req)]
-        handoff = p.handoff = Handoff(p, d, req.line, hashes, args, stats)
+        handoff = p.handoff = Handoff(p, d, req.line, hashes, args, stats, tenant)
         try:
-            served = serve_request(p, p, req.line, hashes, log)
+            served = serve_request(p, p, req.line, hashes, log, tenant)
         except CapacityError as exc:
             log.warning("request on line %d skipped: %s", req.line, exc)
             tally.skipped += 1
@@ -404,6 +418,7 @@ def _replay(args, prefills: list[PrefillInstance], decodes: list[DecodeInstance]
         if served is None:
             continue
         tally.add(req, served, ceiling)
+        tenants.add(tenant, served.sources, ceiling, served.cross_tenant)
         progress.update(done, tally.hit_ratio())
     for p in prefills:
         if not p.cache.drain():
@@ -417,6 +432,8 @@ def _replay(args, prefills: list[PrefillInstance], decodes: list[DecodeInstance]
                        elapsed, args, bounce_blocks=sum(p.cache.block_counts()["bounce"] for p in prefills),
                        metrics_port=None)
     result.update(stats.result())
+    tenants.cross["pd"] += stats.cross_tenant
+    result.update(tenants.result(args.tenants))
     if ledger is not None:
         ledger.close(cache_stats)
         result.update(model_result(args.model, p_svc.layout, p_svc.tp, args, ledger))

@@ -74,6 +74,7 @@ class PDStats:
     stateful: bool = False  # the layout has state groups: a request's state slot moves too
     states: int = 0  # state slots that arrived on a decode instance (bit-exact or not)
     corrupt_states: int = 0
+    cross_tenant: int = 0  # blocks that arrived holding another tenant's bytes (replay_tenants)
     transfer_ms: list = dataclasses.field(default_factory=list)
     visible_ms: list = dataclasses.field(default_factory=list)
     timeline: list = dataclasses.field(default_factory=list)  # (transfer ms or nan, bytes) per served request

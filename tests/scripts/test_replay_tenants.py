@@ -45,3 +45,13 @@ def test_tenants_are_refused_with_several_instances(tmp_path):
                           capture_output=True, text=True, timeout=60, cwd=REPO, env=private_env(tmp_path))
     assert proc.returncode == 2 and "--tenants" in proc.stderr
     assert os.path.isdir(REPO)
+
+
+def test_two_tenants_over_prefill_decode_push_every_block_to_their_own_request(tmp_path):
+    """Over --pd the salt travels with each hand-off (the push reservation is the tenant's): every
+    request of both tenants is decoded from its own tenant's bytes."""
+    result, proc = run_replay(tmp_path, "--max-requests", "12", "--tenants", "2", "--pd", "1:1", "--pd-mode", "push")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert result["cross_tenant_hits"] == {"device": 0, "host": 0, "storage": 0, "pd": 0}
+    assert result["pd_requests"] == result["requests"] == 24 and result["pd_failed_transfers"] == 0
+    assert result["tenant_hit_ratios"] == result["tenant_ceilings"]
