@@ -69,12 +69,16 @@ def ticket_index(tp: int, slot: int) -> int:
     return slot * board_shape(tp)[1] + 2 * tp + 1 + PUSH_WRITERS
 
 
-def reservation_word(seq: int, dst_block_ids: Sequence[int]) -> int:
-    """The ticket word of a push reservation: a 63-bit digest of its seq and destination blocks,
-    never ``FENCED``.  Writer and decode compute it alike; one that differs writes nothing."""
+def reservation_word(seq: int, dst_block_ids: Sequence[int], salt_tag: str = "") -> int:
+    """The ticket word of a push reservation: a 63-bit digest of its seq, destination blocks and the
+    tenant's salt tag (``transfer_factory.keys.salt_tag``; none: as before salts existed), never
+    ``FENCED``.  Writer and decode compute it alike; one that differs (another tenant's request
+    included) writes nothing."""
     h = hashlib.blake2b(digest_size=8, person=b"ctm-push-ticket")
     h.update(int(seq).to_bytes(8, "little"))
     h.update(np.asarray(list(dst_block_ids), dtype="<i8").tobytes())
+    if salt_tag:
+        h.update(b"salt:" + salt_tag.encode())
     return (int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)) | 1
 
 

@@ -48,7 +48,7 @@ def check_writers(peer_id: str, writers: list[int]) -> None:
 class PushTarget:
     def __init__(self, tasks: LayerwiseTasks, ref: LayerwiseRef, instance_id: str, peer_id: str,
                  dst_blocks: list[int], layers: int, deadline: float, writers: list[int],
-                 writer_gone: Callable[[int], bool] | None = None):
+                 writer_gone: Callable[[int], bool] | None = None, salt_tag: str = ""):
         self._tasks, self.ref = tasks, ref
         self.writers = list(writers)
         self.instance_id, self.peer_id = instance_id, peer_id
@@ -56,7 +56,8 @@ class PushTarget:
         self.layers, self.deadline = layers, deadline
         self._writer_gone = writer_gone or (lambda writer: False)
         self._freed = False
-        self._tasks.board.set_ticket(ref.slot, reservation_word(ref.seq, dst_blocks))  # before the ticket leaves
+        self.salt_tag = salt_tag  # the tenant's: a push of another tenant's request matches no reservation
+        self._tasks.board.set_ticket(ref.slot, reservation_word(ref.seq, dst_blocks, salt_tag))  # before it leaves
 
     @property
     def ticket(self) -> dict:
