@@ -120,6 +120,25 @@ def test_a_staged_read_cut_by_a_missing_object_leaves_the_later_blocks_untouched
             assert np.array_equal(view[[12, 13]], before[k]), f"rank/kind/layer {k}"
 
 
+def test_a_tenants_blocks_are_read_by_that_tenant_alone(svc):
+    """Storage keys carry the tenant's salt: another salt, or none, finds nothing; the same salt
+    reads bit-exact; and an unsalted write is read by an unsalted request as before salts existed."""
+    fill_distinct(svc, seed=7)
+    v = views(svc)
+    keys = keys_for(3, seed=7)
+    want = {k: view[[1, 2, 3]].copy() for k, view in v.items()}
+    assert svc.write_storage(keys, [1, 2, 3], cache_salt="tenant-a").result(timeout=30) == [1, 2, 3]
+    assert svc.read_storage(keys, [8, 9, 10], cache_salt="tenant-b").result(timeout=30) == []
+    assert svc.read_storage(keys, [8, 9, 10]).result(timeout=30) == []
+    assert svc.read_storage(keys, [8, 9, 10], cache_salt="tenant-a").result(timeout=30) == [8, 9, 10]
+    for k, view in v.items():
+        assert np.array_equal(view[[8, 9, 10]], want[k]), f"rank/kind/layer {k}"
+    plain = keys_for(2, seed=8)
+    assert svc.write_storage(plain, [4, 5]).result(timeout=30) == [4, 5]
+    assert svc.read_storage(plain, [11, 12], cache_salt="tenant-a").result(timeout=30) == []
+    assert svc.read_storage(plain, [11, 12]).result(timeout=30) == [11, 12]
+
+
 def test_bad_storage_task_input_fails_clearly(svc):
     with pytest.raises(TaskFailedError, match="2 keys but 1 gpu_block_ids"):
         svc.write_storage(keys_for(2), [0]).result(timeout=30)

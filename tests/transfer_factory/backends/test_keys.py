@@ -49,3 +49,21 @@ def test_keys_are_path_safe_and_validated():
         Namespace(**{**NS, "tp_size": 0})
     with pytest.raises(ValueError, match="token id 'a'"):
         chain_hashes([1, 2, "a", 4], 4)
+
+
+def test_a_salt_changes_every_hash_and_no_salt_changes_none():
+    from transfer_factory.keys import salt_tag, salted_hashes
+
+    hashes = chain_hashes(list(range(12)), 4)
+    assert salted_hashes(hashes, None) == hashes and salted_hashes(hashes, "") == hashes
+    a, b = salted_hashes(hashes, "tenant-a"), salted_hashes(hashes, "tenant-b")
+    assert not set(a) & set(b) and not set(a) & set(hashes)
+    # fixed vector: SHA256("ctm-cache-salt\0" || len(salt) as 2 bytes big-endian || salt || h)
+    h = "2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881"  # SHA256(b"x")
+    assert salted_hashes([h], "tenant-a") == [
+        __import__("hashlib").sha256(b"ctm-cache-salt\x00\x00\x08tenant-a" + bytes.fromhex(h)).hexdigest()]
+    assert salt_tag(None) == "" and len(salt_tag("tenant-a")) == 16 and salt_tag("tenant-a") != salt_tag("tenant-b")
+    assert "tenant-a" not in salt_tag("tenant-a")
+    for bad in (b"bytes", 7, "x" * 257):
+        with pytest.raises(ValueError, match="cache_salt"):
+            salted_hashes(hashes, bad)
