@@ -62,6 +62,7 @@ from .core.launcher import RankProcess, RankProcesses, default_log_dir, free_por
 from .core.layerwise import LayerwiseTasks
 from .core.metrics import CacheMetrics
 from .core.engine_core import EngineCore
+from .core.transfer_records import DEFAULT_CAPACITY, RequestTransfers, TransferRecord, check_request_id
 from .core.rank_recovery import RankHooks, RankRecovery, RestartPolicy
 from .core.wire_tasks import state_slot as wire_state_slot
 from .core.wire_tasks import storage_task, swap_task
@@ -100,6 +101,7 @@ class CacheTransferService:
         auto_restart: bool = True,  # a rank that goes down is restarted (else: down until restart_rank)
         restart_policy: RestartPolicy | None = None,  # how often and how soon (rank_recovery)
         splitwise_role: str = "mixed",  # FastDeploy's: a decode instance maps its P/D peers read-only
+        transfer_records: int = DEFAULT_CAPACITY,  # requests whose tasks' records are kept (0: none)
     ):
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tp {tp!r} must be a positive integer")
@@ -162,7 +164,8 @@ class CacheTransferService:
         # release), the supervisor, the host-slot guard, what a rank going down or coming back does
         self.core = EngineCore(tp, num_cpu_blocks, self._ranks.current, self._on_beat,
                                lambda rank, proc: self.recovery.process_died(rank, proc),
-                               control_timeout=task_timeout, record_latencies=record_latencies)
+                               control_timeout=task_timeout, record_latencies=record_latencies,
+                               transfer_records=transfer_records)
         self.tracker = self.core.tracker
         self.metrics = CacheMetrics()  # counted from the ranks' results; served only with metrics_port
         self.metrics.attach(self.tracker, backend=storage_backend)
@@ -249,14 +252,17 @@ class CacheTransferService:
         return rank in self.server.registered_ranks() and self.resources.rank_serving(rank)
 
     # ------------------------------------------------------------------ tasks
-    def submit(self, task: dict, timeout: float | None = None, grace: float = 0.0) -> Future:
+    def submit(self, task: dict, timeout: float | None = None, grace: float = 0.0,
+               request_id: str | None = None) -> Future:
         """Broadcast a wire task to every rank; the future resolves when all have answered.
 
         The future fails ``timeout + grace`` seconds after submission: storage tasks carry their
         own ``timeout`` to the ranks, which answer with 0 blocks when it passes, and the grace
-        lets that answer arrive."""
+        lets that answer arrive.  Every task method takes a ``request_id`` (a str): the task is then
+        recorded for that request (``transfers``)."""
         timeout = self.task_timeout if timeout is None else float(timeout)
-        return self.core.submit(task, timeout, grace, self._refusal(task))  # the core's guards come next
+        request_id = check_request_id(request_id)
+        return self.core.submit(task, timeout, grace, self._refusal(task), request_id)  # the core's guards next
 
     def _refusal(self, task: dict) -> Exception | None:
         """Why ``task`` fails at once, before it is sent, or None (the engine core then guards the
@@ -272,26 +278,28 @@ class CacheTransferService:
         return None
 
     def swap_to_cpu(self, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any = None,
-                    timeout: float | None = None, layerwise: bool = False, state_slots: Any = None) -> Future:
+                    timeout: float | None = None, layerwise: bool = False, state_slots: Any = None,
+                    request_id: str | None = None) -> Future:
         """Copy device blocks to host swap space on every rank.  Result:
         ``(event_type, task_id, swap_node_ids, gpu_block_ids, cpu_block_ids)``.  With
         ``layerwise=True`` the ranks copy layer ``l`` once ``future.layer_computed(l + 1)`` was called.
         ``state_slots``: (device slot, host state slot): the request's state groups too."""
         task = swap_task(CacheStatus.SWAP2CPU, gpu_block_ids, cpu_block_ids, swap_node_ids, state_slots,
                          self.layout.request_slots, self.num_cpu_state_slots)
-        return self._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=True)
+        return self._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=True, request_id=request_id)
 
     def swap_to_gpu(self, gpu_block_ids: Any, cpu_block_ids: Any, swap_node_ids: Any = None,
-                    timeout: float | None = None, layerwise: bool = False, state_slots: Any = None) -> Future:
+                    timeout: float | None = None, layerwise: bool = False, state_slots: Any = None,
+                    request_id: str | None = None) -> Future:
         """Copy host swap blocks back into device blocks on every rank; same result shape.  With
         ``layerwise=True``, ``future.wait_for_layer(l)`` returns once layer ``l`` landed on every rank."""
         task = swap_task(CacheStatus.SWAP2GPU, gpu_block_ids, cpu_block_ids, swap_node_ids, state_slots,
                          self.layout.request_slots, self.num_cpu_state_slots)
-        return self._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=False)
+        return self._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=False, request_id=request_id)
 
     def write_storage(self, keys: Sequence[str], gpu_block_ids: Any, token_ids: Sequence[int] | None = None,
                       timeout: float | None = None, layerwise: bool = False, state_slot: int | None = None,
-                      cache_salt: str | None = None) -> Future:
+                      cache_salt: str | None = None, request_id: str | None = None) -> Future:
         """Write-through: store blocks ``gpu_block_ids`` under the chained block hashes ``keys``
         on every rank, skipping the leading blocks already stored.  Resolves to the gpu block
         ids stored on every rank (a leading run; 0 blocks when storage is down).  With
@@ -302,12 +310,13 @@ class CacheTransferService:
         slot = None if state_slot is None else wire_state_slot(state_slot, self.layout.request_slots)
         task = storage_task(CacheStatus.GPU2STORAGE, keys, gpu_block_ids, token_ids, timeout, state_slot=slot,
                             cache_salt=cache_salt)
-        return self._submit_maybe_layerwise(task, timeout, self.storage_grace, layerwise, is_store=True)
+        return self._submit_maybe_layerwise(task, timeout, self.storage_grace, layerwise, is_store=True,
+                                            request_id=request_id)
 
     def read_storage(self, keys: Sequence[str], gpu_block_ids: Any, start_read_block_idx: int = 0,
                      token_ids: Sequence[int] | None = None, timeout: float | None = None,
                      layerwise: bool = False, state_slot: int | None = None,
-                     cache_salt: str | None = None) -> Future:
+                     cache_salt: str | None = None, request_id: str | None = None) -> Future:
         """Load ``keys[start_read_block_idx:]`` into ``gpu_block_ids``.  Resolves to the gpu block
         ids loaded: the leading run present on every rank (the minimum over ranks).  With
         ``layerwise=True``, ``future.wait_for_layer(l)`` returns the blocks of layer ``l`` landed on
@@ -318,18 +327,20 @@ class CacheTransferService:
         slot = None if state_slot is None else wire_state_slot(state_slot, self.layout.request_slots)
         task = storage_task(CacheStatus.STORAGE2GPU, keys, gpu_block_ids, token_ids, timeout, start_read_block_idx,
                             slot, cache_salt=cache_salt)
-        return self._submit_maybe_layerwise(task, timeout, self.storage_grace, layerwise, is_store=False)
+        return self._submit_maybe_layerwise(task, timeout, self.storage_grace, layerwise, is_store=False,
+                                            request_id=request_id)
 
     def _submit_maybe_layerwise(self, task: dict, timeout: float | None, grace: float, layerwise: bool,
-                                is_store: bool) -> Future:
+                                is_store: bool, request_id: str | None = None) -> Future:
+        request_id = check_request_id(request_id)  # before a layer-board slot is taken
         if not layerwise:
-            return self.submit(task, timeout, grace)
+            return self.submit(task, timeout, grace, request_id)
         if self.layerwise is None:
             raise ServiceClosed("the CTM service is not running")
         task.setdefault("task_id", self.tracker.new_task_id())
         timeout = self.task_timeout if timeout is None else float(timeout)
         return self.layerwise.submit(task, timeout, is_store, len(self.spec.layer_blocks()),
-                                     lambda t: self.submit(t, timeout, grace))
+                                     lambda t: self.submit(t, timeout, grace, request_id))
 
     def control(self, command: str, timeout: float | None = None, **args: Any) -> Future:
         """A CTRL task (``ping``, ``sleep``); resolves to each rank's answer, in rank order."""
@@ -340,6 +351,14 @@ class CacheTransferService:
         """Every completed task's latency, with ``record_latencies=True`` (replays, benchmarks);
         empty otherwise, since it grows with every task."""
         return self.tracker.latencies_ms
+
+    def transfers(self, request_id: str) -> list[TransferRecord]:
+        """The recorded tasks of ``request_id``, oldest first (``core.transfer_records``)."""
+        return self.tracker.records.transfers(request_id)
+
+    def slowest_requests(self, n: int = 5) -> list[RequestTransfers]:
+        """The ``n`` recorded requests whose tasks spanned the longest, slowest first."""
+        return self.tracker.records.slowest_requests(n)
 
     def unreleased_tasks(self) -> dict[str, list[int]]:
         """Failed or timed-out tasks that some rank may still act on: task id -> those ranks."""

@@ -94,7 +94,7 @@ class _AnsweredNotReleased:
         self.num_cpu_blocks = 0
         self.reads = []
 
-    def read_storage(self, keys, gpu_block_ids, start_read_block_idx=0, timeout=None):
+    def read_storage(self, keys, gpu_block_ids, start_read_block_idx=0, timeout=None, request_id=None):
         future = Future()
         future.released = Future()
         future.set_result([])

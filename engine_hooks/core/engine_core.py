@@ -41,6 +41,7 @@ from .host_slots import HostSlots
 from .supervisor import RankProcessView, Supervisor
 from .task_future import TaskFuture
 from .task_tracker import TaskTracker
+from .transfer_records import DEFAULT_CAPACITY, TransferRecords
 
 logger = logging.getLogger(__name__)
 
@@ -86,14 +87,16 @@ class EngineCore:
     def __init__(self, tp: int, num_cpu_blocks: int | None, procs: Callable[[], Mapping[int, RankProcessView]],
                  on_beat: Callable[[], None], on_rank_died: Callable[[int, RankProcessView], None], *,
                  control_timeout: float = 60.0, record_latencies: bool = False,
-                 supervisor_name: str = "ctm-supervisor"):
+                 supervisor_name: str = "ctm-supervisor", transfer_records: int = DEFAULT_CAPACITY):
         """``procs``: the ranks' current processes (what the supervisor watches); ``on_beat``: every
         second on the supervisor's thread; ``on_rank_died``: the supervisor saw a rank's process end
         (the front door decides: restart it, or wait for it to rejoin); ``control_timeout``: the
-        budget of the core's own control tasks (a re-pause)."""
+        budget of the core's own control tasks (a re-pause); ``transfer_records``: the requests whose
+        tasks' records are kept (``transfer_records``; 0: none)."""
         self.tp = tp
         self.control_timeout = control_timeout
-        self.tracker = TaskTracker(tp, record_latencies, on_sooner_deadline=lambda: self.supervisor.ring())
+        self.tracker = TaskTracker(tp, record_latencies, on_sooner_deadline=lambda: self.supervisor.ring(),
+                                   records=TransferRecords(transfer_records))
         self.host_slots = HostSlots(num_cpu_blocks)
         self.supervisor = Supervisor(procs, self.tracker, on_beat, on_rank_died, name=supervisor_name)
         self.server: EngineCacheQueueServer | None = None
@@ -110,17 +113,23 @@ class EngineCore:
 
     # ------------------------------------------------------------------ submission
     def submit(self, task: dict, timeout: float, grace: float = 0.0,
-               refusal: BaseException | None = None) -> TaskFuture:
+               refusal: BaseException | None = None, request_id: str | None = None) -> TaskFuture:
         """Track ``task`` and broadcast it to every rank; the future resolves when all have answered.
         It fails at once, and nothing is sent, with ``refusal`` (the front door's reason), or when the
         host-slot guard refuses it, or a rank is down.  ``ValueError`` (nothing sent) for a task id
-        already pending or a timeout out of range."""
+        already pending or a timeout out of range.  ``request_id`` (checked by the front door): the
+        task is recorded for that request (``tracker.records``), refused or not."""
         if refusal is None and self.server is None:
             refusal = RuntimeError("the engine core has no queue server yet")
         refusal = refusal or self.host_slots.refusal(task)
         if refusal is not None:
-            return failed_future(refusal)
-        task, future, send = self.tracker.begin(task, timeout, grace)
+            future = failed_future(refusal)
+            if request_id is not None:
+                records = self.tracker.records
+                records.watch(records.open(request_id, {"task_id": self.tracker.new_task_id(), **task},
+                                           list(range(self.tp))), future)
+            return future
+        task, future, send = self.tracker.begin(task, timeout, grace, request_id)
         if send and task.get("event_type") == CacheStatus.CTRL and task.get("command") == SLEEP:
             future.add_done_callback(self._slept)
         if send and task.get("event_type") == CacheStatus.CTRL and task.get("command") == WAKEUP \

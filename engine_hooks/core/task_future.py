@@ -8,7 +8,7 @@ future stays the one owner of its state.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 from cache_manager.cache_tasks import RankResult
 
@@ -35,6 +35,33 @@ class TaskFuture(Future):
         self._let_go = released
         self._rank_results: dict[int, RankResult] = {}
         self._layerwise: LayerWaiter | None = None
+        self._observer: tuple[Callable[[BaseException | None], None], Callable[[], None]] | None = None
+
+    # ------------------------------------------------------------------ an observer (transfer records)
+    def observe(self, on_done: Callable[[BaseException | None], None], on_released: Callable[[], None]) -> None:
+        """Have ``on_done(error)`` and ``on_released()`` called as the task resolves and is released,
+        *before* anyone waiting on it wakes (so a caller that got the result sees them done); at once
+        for what already happened.  Each may be called twice in a race with the resolution: they must
+        be idempotent.  One observer per future."""
+        with self._condition:
+            if self._observer is not None:
+                raise RuntimeError("this future has its observer already")
+            self._observer = (on_done, on_released)
+            done, let_go = self.done(), self._let_go
+        if done:
+            on_done(self.exception())
+        if let_go:
+            on_released()
+
+    def set_result(self, result) -> None:
+        if self._observer is not None:
+            self._observer[0](None)
+        super().set_result(result)
+
+    def set_exception(self, exception) -> None:
+        if self._observer is not None:
+            self._observer[0](exception)
+        super().set_exception(exception)
 
     # ------------------------------------------------------------------ two-phase completion
     @property
@@ -52,6 +79,8 @@ class TaskFuture(Future):
         with self._condition:
             self._let_go = True
             released = self._released
+        if self._observer is not None:
+            self._observer[1]()
         if released is not None and not released.done():
             released.set_result(None)
 

@@ -33,6 +33,7 @@ from cache_manager.cache_tasks import MAX_TASK_BUDGET_S, RankResult
 
 from .errors import RankDiedError, ServiceClosed, TaskFailedError, TaskTimeoutError
 from .task_future import TaskFuture
+from .transfer_records import TransferRecords
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class Pending:
     unreleased: set[int]  # ranks that may still touch the task's blocks
     results: dict[int, RankResult] = field(default_factory=dict)
     submitted: float = field(default_factory=time.perf_counter)
+    record: Any = None  # its transfer record, when it carries a request id (``transfer_records``)
 
 
 # Tasks whose answer is the list of blocks the rank moved; the task's result is the shortest.
@@ -83,10 +85,12 @@ def aggregate(task: dict, results: dict[int, RankResult], tp: int) -> Any:
 
 class TaskTracker:
     def __init__(self, tp: int, record_latencies: bool = False,
-                 on_sooner_deadline: Callable[[], None] | None = None):
+                 on_sooner_deadline: Callable[[], None] | None = None, records: TransferRecords | None = None):
         """``on_sooner_deadline``: called (outside the lock) when a submission's deadline comes before
-        the supervisor's planned wake (``plan_wake``), to wake it."""
+        the supervisor's planned wake (``plan_wake``), to wake it.  ``records``: where the tasks that
+        carry a request id are recorded (default: a ``TransferRecords`` of its default size)."""
         self.tp = tp
+        self.records = records if records is not None else TransferRecords()
         self.lock = threading.Lock()
         self._pending: dict[str, Pending] = {}
         self._unreleased: dict[str, Pending] = {}  # failed or timed out, some rank not yet released
@@ -111,9 +115,11 @@ class TaskTracker:
     def new_task_id(self) -> str:
         return f"t{next(self._ids)}"
 
-    def begin(self, task: dict, timeout: float, grace: float = 0.0) -> tuple[dict, TaskFuture, bool]:
+    def begin(self, task: dict, timeout: float, grace: float = 0.0,
+              request_id: str | None = None) -> tuple[dict, TaskFuture, bool]:
         """Stamp ``task`` (id, time budget) and track it.  Returns (the task, its future, whether it
-        should be sent): a closed tracker or a dead rank fails the future at once."""
+        should be sent): a closed tracker or a dead rank fails the future at once.  A ``request_id``
+        (checked by the caller) has the task recorded in ``records``."""
         if not 0 < timeout <= MAX_TASK_BUDGET_S:
             raise ValueError(f"timeout {timeout!r} must be positive and at most {MAX_TASK_BUDGET_S:g} s")
         task = dict(task)
@@ -134,17 +140,23 @@ class TaskTracker:
             if down is None:
                 future = TaskFuture()
                 deadline = now + timeout + grace
-                self._pending[task["task_id"]] = Pending(task, future, deadline, timeout + grace, set(range(self.tp)))
+                pending = self._pending[task["task_id"]] = Pending(task, future, deadline, timeout + grace,
+                                                                   set(range(self.tp)))
                 self._prune_deadlines_locked()
                 heapq.heappush(self._deadline_heap, (deadline, task["task_id"]))
                 self._busy_locked()
                 sooner = deadline + ANSWER_SLACK_S < self._wake_by
+        live = self.records.open(request_id, task, list(range(self.tp))) if request_id is not None else None
+        if live is not None and down is None:
+            pending.record = live  # before it is sent: no answer can come sooner
         if down is None:
+            self.records.watch(live, future)
             if sooner and self._on_sooner_deadline is not None:
                 self._on_sooner_deadline()
             return task, future, True
         future = TaskFuture(released=True)
         future.set_exception(RankDiedError(task["task_id"], *down))
+        self.records.watch(live, future)
         self._notify(task, "rank_died", 0.0, {})
         return task, future, False
 
@@ -194,6 +206,8 @@ class TaskTracker:
                 result = RankResult(result.task_id, result.rank, False, error=problem, recv_seq=result.recv_seq,
                                     elapsed_ms=result.elapsed_ms, released=result.released)
             pending.results[result.rank] = result
+            if pending.record is not None:
+                self.records.answered(pending.record, result, time.perf_counter())
             if len(pending.results) < self.tp and problem is None:
                 return
             del self._pending[result.task_id]

@@ -154,7 +154,7 @@ class TieredPrefixCache:
         return False
 
     # ------------------------------------------------------------------ allocation and eviction
-    def _allocate(self, n: int) -> list[int]:
+    def _allocate(self, n: int, request_id: str | None = None) -> list[int]:
         self.reap()
         if n > self._pool.available():
             self._settle(self.release_wait, lambda: n <= self._pool.available())
@@ -166,7 +166,7 @@ class TieredPrefixCache:
             if len(out) == n:
                 return out
             if self._pool.cached_count():
-                got, writes = self._evict(min(n - len(out), self._pool.cached_count()))
+                got, writes = self._evict(min(n - len(out), self._pool.cached_count()), request_id)
                 out += got
                 # write_back: dropped blocks are usable once their writes are done and released; a
                 # store that does not answer stops the allocation rather than evict the whole LRU
@@ -186,7 +186,7 @@ class TieredPrefixCache:
             f"({counts['pinned']} pinned, {counts['writing']} of them by storage writes in flight; "
             f"{counts['quarantined']} quarantined until late tasks release them)")
 
-    def _evict(self, n: int) -> tuple[list[int], list[StorageWrite]]:
+    def _evict(self, n: int, request_id: str | None = None) -> tuple[list[int], list[StorageWrite]]:
         """Evict the ``n`` least recently used cached blocks, swapping them out to host if it has room
         (the host LRU gives up its oldest entries).  Returns the blocks usable now, and the write-backs
         that pin the others (write_back: a dropped block is written first)."""
@@ -198,11 +198,11 @@ class TieredPrefixCache:
                 self._host.touch(h)
             else:
                 to_host.append((block, h))
-        slots = self._host_slots(len(to_host))
+        slots = self._host_slots(len(to_host), request_id)  # a request's evictions are its tasks too
         out, dropped = to_host[:len(slots)], to_host[len(slots):]
         out_gpu = [b for b, _ in out]
         if out_gpu:
-            future = self.svc.swap_to_cpu(out_gpu, slots, timeout=self.task_timeout)
+            future = self.svc.swap_to_cpu(out_gpu, slots, timeout=self.task_timeout, request_id=request_id)
             ok, _, exc = outcome(future, self.task_timeout + 10)
             self.stats.add(bytes_d2h=bytes_moved(future))
             if ok:
@@ -220,13 +220,13 @@ class TieredPrefixCache:
                 self.stats.add(dropped_blocks=len(out_gpu))
                 dropped = out + dropped
         self.stats.add(dropped_blocks=len(victims) - len(out_gpu))
-        return self._policy.leave_device(victims, dropped)
+        return self._policy.leave_device(victims, dropped, request_id)
 
-    def _host_slots(self, n: int) -> list[int]:
+    def _host_slots(self, n: int, request_id: str | None = None) -> list[int]:
         """Up to ``n`` host slots: free ones, then those the host LRU gives up (oldest first)."""
         slots = self._host.take_free(n)
         evicted = self._host.evict_oldest(n - len(slots))
-        return slots + self._policy.leave_host(evicted) if evicted else slots
+        return slots + self._policy.leave_host(evicted, request_id) if evicted else slots
 
     # ------------------------------------------------------------------ requests
     def acquire(self, hashes: Sequence[str], cache_salt: str | None = None,
@@ -257,7 +257,7 @@ class TieredPrefixCache:
         # very request must not give their slots away.
         held = self._host.hold(hashes[i] for i in host_pos)
         try:
-            fresh = self._allocate(len(host_pos) + n - first_uncached)
+            fresh = self._allocate(len(host_pos) + n - first_uncached, request_id)
         except CapacityError:
             self._host.put_back(held)
             for i, s in enumerate(sources):
@@ -297,7 +297,7 @@ class TieredPrefixCache:
             lease.gpu_blocks[i] = -1
             lease.sources[i] = "miss"
         self._hold(future, old, [], what)
-        fresh = self._allocate(len(old))
+        fresh = self._allocate(len(old), lease.request_id)
         for i, block in zip(positions, fresh):
             self._pool.pin(block)
             lease.gpu_blocks[i] = block
@@ -307,7 +307,8 @@ class TieredPrefixCache:
         if not host_pos:
             return first_uncached
         slots = [held[lease.hashes[i]] for i in host_pos]
-        future = self.svc.swap_to_gpu([lease.gpu_blocks[i] for i in host_pos], slots, timeout=self.task_timeout)
+        future = self.svc.swap_to_gpu([lease.gpu_blocks[i] for i in host_pos], slots, timeout=self.task_timeout,
+                                      request_id=lease.request_id)
         ok, _, exc = outcome(future, self.task_timeout + 10)
         self.stats.add(bytes_h2d=bytes_moved(future))
         if ok:
@@ -329,7 +330,8 @@ class TieredPrefixCache:
 
     def _read_storage(self, lease: Lease, start: int) -> None:
         gpu = lease.gpu_blocks[start:]
-        future = self.svc.read_storage(lease.hashes, gpu, start_read_block_idx=start, timeout=self.task_timeout)
+        future = self.svc.read_storage(lease.hashes, gpu, start_read_block_idx=start, timeout=self.task_timeout,
+                                       request_id=lease.request_id)
         ok, loaded, exc = outcome(future, self.task_timeout + 15)
         self.stats.add(bytes_from_storage=bytes_moved(future))
         if not ok:

@@ -134,9 +134,11 @@ class WritePolicy:
         return self._use_storage and block_hash not in self._stored
 
     # ------------------------------------------------------------------ writes
-    def _submit_write(self, hashes: list[str], blocks: list[int]) -> StorageWrite:
-        """Write ``blocks`` under ``hashes``; the caller has pinned them for the write."""
-        return self._writes.add(self._svc.write_storage(hashes, blocks, timeout=self._task_timeout), blocks, hashes)
+    def _submit_write(self, hashes: list[str], blocks: list[int], request_id: str | None = None) -> StorageWrite:
+        """Write ``blocks`` under ``hashes``; the caller has pinned them for the write.  ``request_id``:
+        the request it is written for (or whose allocation evicted them), recorded with the task."""
+        future = self._svc.write_storage(hashes, blocks, timeout=self._task_timeout, request_id=request_id)
+        return self._writes.add(future, blocks, hashes)
 
     def reap_writes(self) -> None:
         """Account the writes that are done and released, and unpin their blocks.  Never waits."""
@@ -174,7 +176,7 @@ class WritePolicy:
             return False
         if self.policy == "write_through":
             if any(h not in self._stored for h in lease.hashes):
-                self._submit_write(list(lease.hashes), list(lease.gpu_blocks))
+                self._submit_write(list(lease.hashes), list(lease.gpu_blocks), lease.request_id)
                 return True
         elif self.policy == "write_through_selective":
             writing = self._writes.hashes()
@@ -182,7 +184,7 @@ class WritePolicy:
                    if self._hits.get(h, 0) >= self.threshold and h not in self._stored
                    and h not in writing and self._pool.block_of(h) == b]  # committed: the request's bytes
             if pos:
-                self._submit_write([lease.hashes[i] for i in pos], [lease.gpu_blocks[i] for i in pos])
+                self._submit_write([lease.hashes[i] for i in pos], [lease.gpu_blocks[i] for i in pos], lease.request_id)
                 held = set(pos)
                 for i, block in enumerate(lease.gpu_blocks):
                     if i not in held:
@@ -191,7 +193,8 @@ class WritePolicy:
         return False
 
     # ------------------------------------------------------------------ write_back
-    def leave_device(self, victims: list[int], dropped: list[tuple[int, str]]) -> tuple[list[int], list[StorageWrite]]:
+    def leave_device(self, victims: list[int], dropped: list[tuple[int, str]],
+                     request_id: str | None = None) -> tuple[list[int], list[StorageWrite]]:
         """``dropped`` (block, hash) left device without reaching host.  Returns the victims usable
         now and the write-backs that pin the others."""
         for _, h in dropped:
@@ -204,11 +207,11 @@ class WritePolicy:
         blocks = [b for b, _ in dirty]
         for block in blocks:
             self._pool.pin(block)
-        w = self._submit_write([h for _, h in dirty], blocks)
+        w = self._submit_write([h for _, h in dirty], blocks, request_id)
         held = set(blocks)
         return [b for b in victims if b not in held], [w]
 
-    def leave_host(self, evicted: list[tuple[str, int]]) -> list[int]:
+    def leave_host(self, evicted: list[tuple[str, int]], request_id: str | None = None) -> list[int]:
         """The host LRU gave up ``evicted`` (hash, slot): write back those only it held, through
         bounce blocks.  Returns the slots free to reuse now."""
         usable, dirty = [], []
@@ -232,13 +235,14 @@ class WritePolicy:
                 break
             bounce = self._pool.take_bounce(len(dirty))
             group, dirty = dirty[:len(bounce)], dirty[len(bounce):]
-            usable += self._write_back_slots([h for h, _ in group], [s for _, s in group], bounce)
+            usable += self._write_back_slots([h for h, _ in group], [s for _, s in group], bounce, request_id)
         return usable
 
-    def _write_back_slots(self, hashes: list[str], slots: list[int], bounce: list[int]) -> list[int]:
+    def _write_back_slots(self, hashes: list[str], slots: list[int], bounce: list[int],
+                          request_id: str | None = None) -> list[int]:
         """Swap ``slots`` into ``bounce`` blocks, then write them from there.  Returns the slots
         reusable now (none if the swap-in failed: they and the bounce blocks wait for its release)."""
-        future = self._svc.swap_to_gpu(bounce, slots, timeout=self._task_timeout)
+        future = self._svc.swap_to_gpu(bounce, slots, timeout=self._task_timeout, request_id=request_id)
         ok, _, exc = outcome(future, self._task_timeout + 10)
         self._stats.add(bytes_h2d=bytes_moved(future))
         if not ok:
@@ -250,5 +254,5 @@ class WritePolicy:
         self._stats.add(swap_in_blocks=len(slots))
         for block in bounce:
             self._pool.pin(block)
-        self._submit_write(hashes, bounce)
+        self._submit_write(hashes, bounce, request_id)
         return slots
