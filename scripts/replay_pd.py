@@ -57,6 +57,7 @@ from engine_hooks.core.late_tasks import bytes_moved, released_of
 from engine_hooks.pd import TRANSPORT_CHOICES, PrefillDecode, offer_for
 from engine_hooks.prefix_cache import CapacityError, TieredPrefixCache, TierStats
 import replay_tenants
+import replay_records
 from replay_instances import Router
 from replay_pd_decode import DecodeInstance, PDStats
 from replay_workload import ByteLedger, Content, Tally, model_result, naive_block_bytes, serve_request, summarize
@@ -186,7 +187,8 @@ class Handoff:
             self.t0 = time.perf_counter()
             self.future = self.p.side.push_blocks(self.d.id, self.target.ticket, self.lease.gpu_blocks,
                                                   layerwise=True, timeout=timeout, state_slots=self.state_slots,
-                                                  cache_salt=self.salt)
+                                                  cache_salt=self.salt,
+                                                  request_id=replay_records.request_id(self.line, self.tenant))
         except Exception as exc:
             self._fail("starting the push", exc)
         layers = self.target.layers if self.target is not None else self.p.svc.layout.total_layers
@@ -233,7 +235,8 @@ class Handoff:
         try:
             self.t0 = time.perf_counter()
             self.future = self.d.side.pull_blocks(self.p.id, handle, self.lease.gpu_blocks, self.dst,
-                                                  timeout=timeout, state_slots=self.state_slots, cache_salt=self.salt)
+                                                  timeout=timeout, state_slots=self.state_slots, cache_salt=self.salt,
+                                                  request_id=replay_records.request_id(self.line, self.tenant))
             got = self.future.result(timeout=timeout + 10)
             self._landed(time.perf_counter(), got)
         finally:
@@ -316,8 +319,8 @@ class PrefillInstance:
         self.content = Content(svc)
         self.handoff: Handoff | None = None
 
-    def acquire(self, hashes, cache_salt=None):
-        self.handoff.lease = self.cache.acquire(hashes, cache_salt=cache_salt)
+    def acquire(self, hashes, cache_salt=None, request_id=None):
+        self.handoff.lease = self.cache.acquire(hashes, cache_salt=cache_salt, request_id=request_id)
         return self.handoff.lease
 
     def commit(self, lease) -> None:
@@ -437,6 +440,7 @@ def _replay(args, prefills: list[PrefillInstance], decodes: list[DecodeInstance]
     if ledger is not None:
         ledger.close(cache_stats)
         result.update(model_result(args.model, p_svc.layout, p_svc.tp, args, ledger))
+    result["slowest_requests"] = replay_records.slowest([(i.id, i.svc) for i in prefills + decodes])
     result["_timeline"], result["_pd_timeline"] = tally.timeline, stats.timeline
     return result
 

@@ -78,6 +78,7 @@ from engine_hooks.prefix_cache.write_policy import default_bounce_blocks  # noqa
 from ops.procs import PathReaper  # noqa: E402
 import replay_instances  # noqa: E402
 import replay_pd  # noqa: E402
+import replay_records  # noqa: E402
 import replay_tenants  # noqa: E402
 from replay_workload import (HASH_BLOCK_TOKENS, BadTraceLine, ByteLedger, Content, Request, Tally,  # noqa: E402
                              generate_workload, load_trace, model_result, naive_block_bytes, request_hashes,
@@ -154,6 +155,7 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
         ledger.close(stats)
         result.update(model_result(args.model, svc.layout, svc.tp, args, ledger))
     result.update(tenants.result(args.tenants))
+    result["slowest_requests"] = replay_records.slowest([("engine", svc)])  # per-request transfer timelines
     result["_timeline"] = tally.timeline
     return result
 
@@ -237,7 +239,13 @@ def plot(r: dict, path: str, title: str) -> None:
         return np.convolve(a, kernel, mode="same") / np.maximum(np.convolve(totals, kernel, mode="same"), 1)
 
     pd_timeline = r.get("_pd_timeline")
-    fig, axes = plt.subplots(3 if pd_timeline else 2, 1, figsize=(9, 10 if pd_timeline else 7), sharex=True)
+    slowest = r.get("slowest_requests")
+    rows = (3 if pd_timeline else 2) + bool(slowest)
+    fig, axes = plt.subplots(rows, 1, figsize=(9, (10 if pd_timeline else 7) + (3 if slowest else 0)))
+    for ax in axes[1:rows - bool(slowest)]:
+        ax.sharex(axes[0])  # request index; the slowest requests' panel has its own axis (ms)
+    if slowest:
+        replay_records.plot_panel(axes[-1], slowest)
     ax1, ax2 = axes[:2]
     ax1.stackplot(x, [rolling(per[t]) for t in TIERS[:3]], labels=["device", "host", "storage"],
                   colors=["#2b8cbe", "#7bccc4", "#f0a04b"])

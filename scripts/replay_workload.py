@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+import replay_records
 from replay_tenants import Tenant, cross_tenant
 from transfer_factory.keys import chain_hash_ids
 
@@ -281,7 +282,7 @@ def serve_request(cache, content: Content, line: int, hashes: list[str], log: lo
     write policy's writes go out).  ``tenant`` (``replay_tenants``): the request's cache_salt, and the
     keys its contents derive from.  Raises ``CapacityError``."""
     salt = tenant.salt if tenant is not None else None
-    lease = cache.acquire(hashes, cache_salt=salt)
+    lease = cache.acquire(hashes, cache_salt=salt, request_id=replay_records.request_id(line, tenant))
     keys = tenant.content_keys(hashes) if tenant is not None else hashes
     hit_pos = [i for i, s in enumerate(lease.sources) if s != "miss"]
     ok = content.verify([keys[i] for i in hit_pos], [lease.gpu_blocks[i] for i in hit_pos],

@@ -207,10 +207,12 @@ class PrefillDecode:
     # ------------------------------------------------------------------ decode side
     def pull_blocks(self, peer_id: str, handle: TransferHandle | dict, src_blocks: Any, dst_blocks: Any,
                     placement: str = "device", layers: tuple[int, int] | None = None,
-                    timeout: float | None = None, state_slots: tuple[int, int] | None = None):
+                    timeout: float | None = None, state_slots: tuple[int, int] | None = None,
+                    request_id: str | None = None):
         """Read the peer's ``src_blocks`` exposed under ``handle`` into this instance's
         ``dst_blocks`` (device blocks, or swap slots with ``placement="host"``), and with
-        ``state_slots`` (the peer's slot, this instance's) the request's state groups once."""
+        ``state_slots`` (the peer's slot, this instance's) the request's state groups once.
+        ``request_id``: the task is recorded for that request (``svc.transfers``)."""
         if peer_id not in self._links:
             raise ValueError(f"instance {peer_id!r} is not linked (linked: {sorted(self._links) or 'none'})")
         if isinstance(handle, TransferHandle):
@@ -225,7 +227,7 @@ class PrefillDecode:
             task["layers"] = [int(layers[0]), int(layers[1])]
         if state_slots is not None:
             task["state_slots"] = self._state_slots(state_slots, mine=1)
-        return self._svc.submit(task, timeout)
+        return self._svc.submit(task, timeout, request_id=request_id)
 
     def _state_slots(self, slots: Any, mine: int) -> list[int]:
         """(source, destination) state slots; ``slots[mine]`` is this instance's."""
@@ -254,10 +256,12 @@ class PrefillDecode:
                           writer_gone=lambda writer: writer in procs and procs[writer].gone())
 
     def push_blocks(self, peer_id: str, ticket: dict, src_blocks: Any, layerwise: bool = True,
-                    timeout: float | None = None, state_slots: tuple[int, int] | None = None):
+                    timeout: float | None = None, state_slots: tuple[int, int] | None = None,
+                    request_id: str | None = None):
         """Prefill side: write ``src_blocks`` into the blocks the decode instance reserved
         (``ticket``), each layer as soon as ``future.layer_computed(n)`` says it is computed
-        (``layerwise=True``), or all at once."""
+        (``layerwise=True``), or all at once.  ``request_id``: the task is recorded for that request
+        (``svc.transfers``)."""
         if peer_id not in self._links:
             raise ValueError(f"instance {peer_id!r} is not linked (linked: {sorted(self._links) or 'none'})")
         if not isinstance(ticket, dict) or ticket.get("instance_id") != peer_id:
@@ -270,7 +274,8 @@ class PrefillDecode:
                 "src_block_ids": src, "dst_block_ids": dst}
         if state_slots is not None:
             task["state_slots"] = self._state_slots(state_slots, mine=0)
-        return self._svc._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=True)
+        return self._svc._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=True,
+                                                 request_id=request_id)
 
     # ------------------------------------------------------------------ lifetime
     def _control(self, command: str, **args: Any) -> list:
