@@ -9,10 +9,11 @@ block_copy = Extension(
 )
 
 # The FileStore's batch-wide record work (key digests, headers, checksums, vectored I/O, index
-# entries): see the .c file.  dl: it binds XXH3 from the xxhash package's own extension.
+# entries) and the P/D block digests (records_digest.c): see the .c files.  dl: it binds XXH3 from the
+# xxhash package's own extension.
 file_records = Extension(
     "transfer_factory.file._records",
-    sources=[f"transfer_factory/file/csrc/records{part}.c" for part in ("", "_io", "_sha", "_index")]
+    sources=[f"transfer_factory/file/csrc/records{part}.c" for part in ("", "_io", "_sha", "_index", "_digest")]
     + ["transfer_factory/csrc/sha256.c"],
     depends=["transfer_factory/file/csrc/records.h", "transfer_factory/csrc/sha256.h"],
     include_dirs=["transfer_factory/csrc"],

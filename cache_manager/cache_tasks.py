@@ -93,6 +93,7 @@ class PullTask:
     layers: tuple[int, int] | None = None  # [first, stop); None: every layer
     event_type: int = int(CacheStatus.PEER_PULL)
     state_slots: tuple[int, int] | None = None  # (the peer's slot, this rank's) of the state groups
+    digests: bool = False  # check the received blocks against the digests the peer published
 
 
 @dataclass
@@ -110,6 +111,7 @@ class PushTask:
     layerwise: LayerwiseRef | None = None  # this engine's compute progress, for a layer-wise push
     event_type: int = int(CacheStatus.PEER_PUSH)
     state_slots: tuple[int, int] | None = None  # (this rank's slot, the peer's) of the state groups
+    salt_tag: str = ""  # the pushing request's tenant salt tag: part of the reservation it must match
 
 
 PLACEMENTS = ("device", "host")
@@ -205,7 +207,11 @@ def task_from_wire(d: Any) -> Task:
             target = LayerwiseRef.from_wire(d.get("target"))
         except ValueError as exc:
             raise TaskFormatError(f"push target: {exc}") from None
-        return PushTask(task_id, _str(d, "peer"), target, src, dst, _layerwise(d), state_slots=_state_slots(d))
+        tag = d.get("salt_tag", "")
+        if not isinstance(tag, str) or len(tag) > 64:
+            raise TaskFormatError(f"push salt_tag {tag!r:.80} must be a string of at most 64 characters")
+        return PushTask(task_id, _str(d, "peer"), target, src, dst, _layerwise(d), state_slots=_state_slots(d),
+                        salt_tag=tag)
     keys = d.get("keys")
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise TaskFormatError("task field 'keys' must be a list of strings")
@@ -241,7 +247,10 @@ def _pull_task(task_id: str, d: dict) -> PullTask:
     state = _state_slots(d)
     if state is not None and placement != "device":
         raise TaskFormatError("a pull into host swap slots cannot carry state slots (state lives on the device)")
-    return PullTask(task_id, _str(d, "peer"), handle, src, dst, placement, layers, state_slots=state)
+    digests = d.get("digests", False)
+    if type(digests) is not bool:
+        raise TaskFormatError(f"pull field 'digests' {digests!r:.40} must be a bool")
+    return PullTask(task_id, _str(d, "peer"), handle, src, dst, placement, layers, state_slots=state, digests=digests)
 
 
 def _state_slot(d: dict) -> int | None:
@@ -277,6 +286,7 @@ class RankResult:
     released: bool = True
     storage_calls: int = 0  # backend calls this rank made for the task
     storage_failures: int = 0  # of those, calls that raised, timed out or never started
+    digest_mismatches: int = 0  # P/D pull: blocks whose bytes differed from the source's digests (not counted)
 
 
 _RESULT_DEFAULTS = {f.name: f.default for f in fields(RankResult) if f.default is not MISSING}
@@ -311,3 +321,4 @@ class Outcome:
     storage_failures: int = 0
     still_storing: Any = None  # concurrent.futures.Future | None
     error: str | None = None  # the task failed (why), though ``still_running`` may still touch its blocks
+    digest_mismatches: int = 0  # P/D pull: blocks whose bytes differed from the source's digests (not counted)

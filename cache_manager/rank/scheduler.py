@@ -239,10 +239,12 @@ class TaskScheduler:
             late, storing = out.still_running, out.still_storing
             if out.error is not None:
                 self._log.error("task %s failed: %s", entry.task_id, out.error)
+            # a pull with failed blocks (digests) still says which blocks it did load
             result = RankResult(entry.task_id, self._rank, out.error is None, error=out.error,
-                                value=out.value if out.error is None else None, recv_seq=entry.seq,
-                                bytes_moved=int(out.bytes_moved), released=late is None,
-                                storage_calls=out.storage_calls, storage_failures=out.storage_failures)
+                                value=out.value if out.error is None or out.digest_mismatches else None,
+                                recv_seq=entry.seq, bytes_moved=int(out.bytes_moved), released=late is None,
+                                storage_calls=out.storage_calls, storage_failures=out.storage_failures,
+                                digest_mismatches=out.digest_mismatches)
         except Exception as exc:  # the task fails; the CTM keeps serving
             self._log.error("task %s failed: %s: %s", entry.task_id, type(exc).__name__, exc)
             result = RankResult(entry.task_id, self._rank, False, error=f"{type(exc).__name__}: {exc}",

@@ -17,9 +17,14 @@ class ServiceClosed(CacheServiceError):
 class TaskFailedError(CacheServiceError):
     """One or more ranks ran the task and reported an error."""
 
-    def __init__(self, task_id: str, failures: dict[int, str]):
+    def __init__(self, task_id: str, failures: dict[int, str], loaded: list[int] | None = None,
+                 digest_mismatches: int = 0):
         self.task_id = task_id
         self.failures = dict(sorted(failures.items()))
+        # A P/D pull whose failed blocks are digest mismatches: the destination blocks loaded on every
+        # rank all the same (None: none can be relied on), and the blocks that failed on any rank.
+        self.loaded = loaded
+        self.digest_mismatches = digest_mismatches
         detail = "; ".join(f"rank {r}: {reason}" for r, reason in self.failures.items())
         super().__init__(f"task {task_id} failed on {detail}")
 

@@ -30,6 +30,9 @@ in one process never collide.  Metrics (all prefixed ``ctm_``):
     Read at scrape time from the callables given to ``bind`` (e.g. ``tracker.in_flight``,
     ``tracker.queue_depth`` -- tasks submitted that no rank has answered yet --, ``tracker.ranks_up``);
     NaN until bound or when the callable raises.
+``ctm_pd_digest_mismatches_total`` (counter)
+    P/D blocks pulled whose bytes differed from the prefill's digests: failed, never counted (sum over
+    ranks of ``RankResult.digest_mismatches``; ``engine_hooks.pd``, digests on).
 ``ctm_storage_calls_total{backend, direction}``, ``ctm_storage_call_failures_total{backend, direction}``
     (counters) The storage backend calls the ranks report for storage tasks (sum over ranks of
     ``RankResult.storage_calls`` / ``storage_failures``, 0 where a result lacks them);
@@ -147,6 +150,8 @@ class CacheMetrics:
                                      ["backend", "direction"], registry=r)
         self.storage_failures = Counter("ctm_storage_call_failures", "Storage backend calls that failed",
                                         ["backend", "direction"], registry=r)
+        self.digest_mismatches = Counter("ctm_pd_digest_mismatches", "P/D blocks pulled whose bytes differed from "
+                                         "the prefill's digests (failed, never counted)", registry=r)
         self._sources: dict[str, Callable[[], float] | None] = {"in_flight": None, "queue_depth": None,
                                                                 "ranks_up": None}
         for name, metric, doc in (("in_flight", "ctm_tasks_in_flight", "Tasks submitted and not yet resolved"),
@@ -220,6 +225,9 @@ class CacheMetrics:
             moved = sum(max(0, int(getattr(res, "bytes_moved", 0) or 0)) for res in results.values())
             if moved:
                 self._child(self.bytes_moved, direction).inc(moved)
+        mismatches = sum(max(0, int(getattr(res, "digest_mismatches", 0) or 0)) for res in results.values())
+        if mismatches:
+            self.digest_mismatches.inc(mismatches)
         storage = STORAGE_DIRECTIONS.get(kind)
         if storage is not None:
             calls = sum(max(0, int(getattr(res, "storage_calls", 0) or 0)) for res in results.values())
@@ -296,6 +304,8 @@ class CacheMetrics:
                 if s.name in nested:
                     key, outer, inner = nested[s.name]
                     snap[key].setdefault(s.labels[outer], {})[s.labels[inner]] = s.value
+                elif s.name == "ctm_pd_digest_mismatches_total":
+                    snap["pd_digest_mismatches_total"] = s.value
                 elif s.name == "ctm_bytes_moved_total":
                     snap["bytes_moved_total"][s.labels["direction"]] = s.value
                 elif s.name == "ctm_task_latency_seconds_count":

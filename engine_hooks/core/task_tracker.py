@@ -83,6 +83,18 @@ def aggregate(task: dict, results: dict[int, RankResult], tp: int) -> Any:
     return [results[r].value for r in range(tp)]
 
 
+def partly_loaded(task: dict, results: dict[int, RankResult], tp: int) -> tuple[list[int] | None, int]:
+    """A failed P/D pull whose ranks each said which blocks they loaded (failed blocks were digest
+    mismatches): the destination blocks loaded on every rank, and the mismatches counted."""
+    mismatches = sum(r.digest_mismatches for r in results.values())
+    values = [r.value for r in results.values()]
+    if not mismatches or task.get("event_type") != CacheStatus.PEER_PULL or len(values) != tp \
+            or not all(type(v) is list for v in values):
+        return None, mismatches
+    have = [set(v) for v in values]
+    return [b for b in task.get("dst_block_ids", []) if all(b in h for h in have)], mismatches
+
+
 class TaskTracker:
     def __init__(self, tp: int, record_latencies: bool = False,
                  on_sooner_deadline: Callable[[], None] | None = None, records: TransferRecords | None = None):
@@ -222,7 +234,9 @@ class TaskTracker:
         pending.future.set_rank_results(pending.results)
         failures = {r: res.error or "failed" for r, res in pending.results.items() if not res.ok}
         if failures:
-            pending.future.set_exception(TaskFailedError(result.task_id, failures))
+            pending.future.set_exception(TaskFailedError(result.task_id, failures, *partly_loaded(pending.task,
+                                                                                                 pending.results,
+                                                                                                 self.tp)))
         else:
             pending.future.set_result(aggregate(pending.task, pending.results, self.tp))
         self._notify(pending.task, "failed" if failures else "ok", now - pending.submitted, pending.results)

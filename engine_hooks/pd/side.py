@@ -42,10 +42,12 @@ from ops.procs import ProcessWatch, process_argv
 from ops.shm import SharedMemorySegment
 from transfer_factory.peer.handles import (BOARD_BYTES, BOARD_WORDS, DEFAULT_TTL_S, NO_GENERATION, ExposureBoard,
                                            TransferHandle)
+from transfer_factory.keys import salt_tag
 from transfer_factory.peer.heads import writers
 
 from ..core.wire_tasks import block_ids
 from ..core.wire_tasks import state_slot as wire_state_slot
+from .digests import DigestTables, check_peer_publishes
 from .leases import LeaseReaper
 from .push import PushTarget, check_writers
 
@@ -64,7 +66,8 @@ def offer_for(transport: str) -> list[str]:
 class PrefillDecode:
     def __init__(self, service: Any, instance_id: str | None = None, control_timeout: float = 30.0,
                  on_expire: Callable[[TransferHandle], None] | None = None,
-                 on_link_lost: Callable[[str, str], None] | None = None):
+                 on_link_lost: Callable[[str, str], None] | None = None, digests: bool = False,
+                 digest_table_bytes: int | None = None):
         if service.server is None:
             raise RuntimeError("start the service before its prefill/decode side")
         self._svc = service
@@ -73,6 +76,14 @@ class PrefillDecode:
         self._segment = SharedMemorySegment(f"ctm.{service.instance}.pd_handles", BOARD_BYTES, create=True)
         self._words = np.frombuffer(self._segment.buf, dtype=np.int64, count=BOARD_WORDS)
         self.board = ExposureBoard(self._words, self.instance_id)
+        # digests on: exposed blocks get digests on every rank, pulled blocks are checked against them
+        try:
+            self.digests = DigestTables(service, self.board, self._control, digest_table_bytes) if digests else None
+        except BaseException:
+            self._segment.close()
+            self._segment.unlink()
+            raise
+        self._peer_digests: dict[str, str | None] = {}  # peer instance id -> why it cannot be checked, or None
         # The board's generation word follows the caches' (DESIGN §3.8): an RL clear or a sleep
         # retracts every handle and stops peers' transfers from counting before the memory goes.
         self._unwatch = service.resources.watch_generation(self.board.publish_generation)
@@ -100,7 +111,8 @@ class PrefillDecode:
                                "side is closed): describe it once they are attached")
         ranks = self._control("pd_describe", instance_id=self.instance_id, offer=list(offer), generation=generation,
                               board=[self._segment.name, 0, BOARD_BYTES], engine_pid=os.getpid(),
-                              layer_board=[layer_board.segment_name, 0, int(layer_board.value.nbytes)])
+                              layer_board=[layer_board.segment_name, 0, int(layer_board.value.nbytes)],
+                              **({"digests": self.digests.regions()} if self.digests else {}))
         return {"instance_id": self.instance_id, "tp": self._svc.tp, "ranks": ranks}
 
     def link(self, peer: dict, transport: str = "auto", offer: Sequence[str] | None = None) -> str:
@@ -127,6 +139,10 @@ class PrefillDecode:
         self._watch_writers(peer_id, peer["ranks"] if answers[0] == "ipc" else [])
         self._links[peer_id] = answers[0]
         self._link_args[peer_id] = (peer, transport, offer)
+        self._peer_digests[peer_id] = check_peer_publishes(peer, answers[0]) or (
+            None if peer["tp"] == self._svc.tp or replicated else
+            f"instance {peer_id!r} runs TP {peer['tp']}, this one TP {self._svc.tp}: digests are checked only "
+            "between instances of one TP size (a head range of a block has no digest of its own)")
         return answers[0]
 
     def _rank_up(self, rank: int) -> None:
@@ -179,6 +195,7 @@ class PrefillDecode:
         self._links.pop(peer_id, None)
         self._link_args.pop(peer_id, None)
         self._peer_writers.pop(peer_id, None)
+        self._peer_digests.pop(peer_id, None)
         self._watch_writers(peer_id, [])
         return any(self._control("pd_unlink", peer=peer_id))
 
@@ -186,11 +203,24 @@ class PrefillDecode:
         return dict(self._links)
 
     # ------------------------------------------------------------------ prefill side
-    def expose(self, req_id: str, ttl: float | None = DEFAULT_TTL_S) -> TransferHandle:
+    def expose(self, req_id: str, ttl: float | None = DEFAULT_TTL_S, cache_salt: str | None = None,
+               blocks: Any = None) -> TransferHandle:
         """Expose the request's blocks under a handle whose lease ends ``ttl`` seconds from now
         unless renewed (None: only ``retract`` ends it); at expiry the handle is retracted and
-        ``on_expire(handle)`` tells the engine to free the blocks."""
-        handle = self.board.expose(req_id, ttl)
+        ``on_expire(handle)`` tells the engine to free the blocks.  ``cache_salt``: the request's
+        tenant salt; a pull naming another salt counts no block (``ExposureBoard``).  ``blocks``: the
+        request's blocks, which every rank digests when digests are on (``engine_hooks.pd.digests``)."""
+        if self.digests is not None and blocks is None:
+            raise ValueError(f"instance {self.instance_id} publishes digests: expose(req_id, ..., blocks=[...]) must "
+                             "name the request's blocks")
+        ids = block_ids(blocks, "blocks") if self.digests is not None else None
+        handle = self.board.expose(req_id, ttl, cache_salt)
+        if ids is not None:
+            try:
+                handle = self.digests.publish(handle, ids)
+            except BaseException:
+                self.board.retract(handle)
+                raise
         self._leases.wake()
         return handle
 
@@ -208,16 +238,26 @@ class PrefillDecode:
     def pull_blocks(self, peer_id: str, handle: TransferHandle | dict, src_blocks: Any, dst_blocks: Any,
                     placement: str = "device", layers: tuple[int, int] | None = None,
                     timeout: float | None = None, state_slots: tuple[int, int] | None = None,
-                    request_id: str | None = None):
+                    cache_salt: str | None = None, request_id: str | None = None, digests: bool | None = None):
         """Read the peer's ``src_blocks`` exposed under ``handle`` into this instance's
         ``dst_blocks`` (device blocks, or swap slots with ``placement="host"``), and with
         ``state_slots`` (the peer's slot, this instance's) the request's state groups once.
-        ``request_id``: the task is recorded for that request (``svc.transfers``)."""
+        ``cache_salt``: this request's tenant salt; blocks exposed under another salt never count.
+        ``request_id``: the task is recorded for that request (``svc.transfers``).  ``digests``: check
+        every pulled block against the digests the peer published (default: on where this instance
+        was made with ``digests=True``); a block that differs fails and is never counted."""
         if peer_id not in self._links:
             raise ValueError(f"instance {peer_id!r} is not linked (linked: {sorted(self._links) or 'none'})")
-        if isinstance(handle, TransferHandle):
-            handle = handle.to_wire()
-        TransferHandle.from_wire(handle)
+        if isinstance(handle, dict):
+            handle = TransferHandle.from_wire(handle)
+        check = self.digests is not None if digests is None else bool(digests)  # default: this instance's
+        if check:  # every block is checked against the peer's digests: the peer must publish them
+            why = self._peer_digests.get(peer_id) or (None if handle.digests else (
+                f"instance {peer_id!r} published no digests for request {handle.req_id!r} (expose it with blocks= "
+                "on a PrefillDecode with digests=True), and this instance checks them"))
+            if why:
+                raise ValueError(why)
+        handle = handle.for_salt(cache_salt).to_wire()  # the word the board holds for this tenant only
         src, dst = block_ids(src_blocks, "src_blocks"), block_ids(dst_blocks, "dst_blocks")
         if len(src) != len(dst):
             raise ValueError(f"src_blocks has {len(src)} ids but dst_blocks has {len(dst)}")
@@ -227,6 +267,8 @@ class PrefillDecode:
             task["layers"] = [int(layers[0]), int(layers[1])]
         if state_slots is not None:
             task["state_slots"] = self._state_slots(state_slots, mine=1)
+        if check:
+            task["digests"] = True
         return self._svc.submit(task, timeout, request_id=request_id)
 
     def _state_slots(self, slots: Any, mine: int) -> list[int]:
@@ -238,10 +280,12 @@ class PrefillDecode:
         return out
 
     # ------------------------------------------------------------------ push
-    def receive_push(self, peer_id: str, dst_blocks: Any, timeout: float | None = None) -> PushTarget:
+    def receive_push(self, peer_id: str, dst_blocks: Any, timeout: float | None = None,
+                     cache_salt: str | None = None) -> PushTarget:
         """Decode side: reserve ``dst_blocks`` for ``peer_id`` to push into; hand ``target.ticket``
         to the prefill instance, then ``target.wait_for_layer(i)`` / ``target.result()``.  The
-        blocks may be reused only once ``target.released``."""
+        blocks may be reused only once ``target.released``.  ``cache_salt``: the request's tenant
+        salt; a push of a request with another salt matches no reservation and writes nothing."""
         if peer_id not in self._links:
             raise ValueError(f"instance {peer_id!r} is not linked (linked: {sorted(self._links) or 'none'})")
         dst = block_ids(dst_blocks, "dst_blocks")
@@ -253,15 +297,17 @@ class PrefillDecode:
         procs = self._writer_procs.get(peer_id, {})
         return PushTarget(self._svc.layerwise, ref, self.instance_id, peer_id, dst, len(self._svc.spec.layer_blocks()),
                           time.monotonic() + timeout, self._peer_writers[peer_id],
-                          writer_gone=lambda writer: writer in procs and procs[writer].gone())
+                          writer_gone=lambda writer: writer in procs and procs[writer].gone(),
+                          salt_tag=salt_tag(cache_salt))
 
     def push_blocks(self, peer_id: str, ticket: dict, src_blocks: Any, layerwise: bool = True,
                     timeout: float | None = None, state_slots: tuple[int, int] | None = None,
-                    request_id: str | None = None):
+                    cache_salt: str | None = None, request_id: str | None = None):
         """Prefill side: write ``src_blocks`` into the blocks the decode instance reserved
         (``ticket``), each layer as soon as ``future.layer_computed(n)`` says it is computed
-        (``layerwise=True``), or all at once.  ``request_id``: the task is recorded for that request
-        (``svc.transfers``)."""
+        (``layerwise=True``), or all at once.  ``cache_salt``: this request's tenant salt, which the
+        reservation must have been made with (every rank checks it before its first byte).
+        ``request_id``: the task is recorded for that request (``svc.transfers``)."""
         if peer_id not in self._links:
             raise ValueError(f"instance {peer_id!r} is not linked (linked: {sorted(self._links) or 'none'})")
         if not isinstance(ticket, dict) or ticket.get("instance_id") != peer_id:
@@ -272,6 +318,8 @@ class PrefillDecode:
             raise ValueError(f"src_blocks has {len(src)} ids but the ticket reserved {len(dst)}")
         task = {"event_type": int(CacheStatus.PEER_PUSH), "peer": peer_id, "target": target.to_wire(),
                 "src_block_ids": src, "dst_block_ids": dst}
+        if salt_tag(cache_salt):
+            task["salt_tag"] = salt_tag(cache_salt)
         if state_slots is not None:
             task["state_slots"] = self._state_slots(state_slots, mine=0)
         return self._svc._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=True,
@@ -301,6 +349,8 @@ class PrefillDecode:
         self.board.words = np.zeros(BOARD_WORDS, dtype=np.int64)
         self._segment.close()
         self._segment.unlink()
+        if self.digests is not None:
+            self.digests.close()
 
 
 def _is_rank_ctm(pid: int, rank: int, engine_pid: object) -> bool:

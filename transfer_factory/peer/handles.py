@@ -33,16 +33,18 @@ aarch64 does not).  The engine's stores are release stores followed by a full fe
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from ops import _shm_atomic
+from transfer_factory.keys import salt_tag
 
 SLOTS = 4096
 WORD_BYTES = 8
@@ -64,9 +66,19 @@ class TransferHandle:
     req_id: str
     slot: int
     handle_id: int
+    # Where the prefill ranks published the exposed blocks' digests: (first word of the region in
+    # every rank's digest table, blocks, the id of the handle that exposed them, which tags the region
+    # whatever salt the puller names); None when they publish none (``transfer_factory.peer.digests``).
+    digests: tuple[int, int, int] | None = field(default=None, compare=False)
 
     def to_wire(self) -> dict:
-        return {"instance_id": self.instance_id, "req_id": self.req_id, "slot": self.slot, "handle_id": self.handle_id}
+        out = {"instance_id": self.instance_id, "req_id": self.req_id, "slot": self.slot, "handle_id": self.handle_id}
+        if self.digests is not None:
+            out["digests"] = list(self.digests)
+        return out
+
+    def with_digests(self, offset: int, blocks: int) -> "TransferHandle":
+        return replace(self, digests=(int(offset), int(blocks), self.handle_id))
 
     @classmethod
     def from_wire(cls, d: Any) -> "TransferHandle":
@@ -80,7 +92,29 @@ class TransferHandle:
         for name in ("instance_id", "req_id"):
             if type(d.get(name)) is not str or not 0 < len(d[name]) <= 256:
                 raise ValueError(f"handle {name} {d.get(name)!r:.40} must be a non-empty string")
-        return cls(d["instance_id"], d["req_id"], slot, handle_id)
+        digests = d.get("digests")
+        if digests is not None:
+            if not (isinstance(digests, (list, tuple)) and len(digests) == 3
+                    and all(type(v) is int and 0 <= v <= MAX_HANDLE_ID for v in digests)):
+                raise ValueError(f"handle digests {digests!r:.60} must be [region offset, blocks, handle id]")
+            digests = (digests[0], digests[1], digests[2])
+        return cls(d["instance_id"], d["req_id"], slot, handle_id, digests)
+
+    def for_salt(self, cache_salt: str | None) -> "TransferHandle":
+        """The handle as a puller whose request has ``cache_salt`` must name it: its id is the word the
+        board holds only if the prefill request was exposed with the same salt (``board_id``)."""
+        return replace(self, handle_id=board_id(self.handle_id, cache_salt))
+
+
+def board_id(handle_id: int, cache_salt: str | None) -> int:
+    """The id a handle's board word carries: ``handle_id`` itself without a salt (as before salts
+    existed), else a 61-bit digest of it and the salt's tag.  A handle travels without it (the router
+    carries ``handle_id``); the board holds it, so only a puller of the same tenant names the word."""
+    tag = salt_tag(cache_salt)
+    if not tag:
+        return handle_id
+    digest = hashlib.blake2b(f"{tag}:{handle_id}".encode(), digest_size=8, person=b"ctm-handle-salt").digest()
+    return (int.from_bytes(digest, "little") & MAX_HANDLE_ID) or 1
 
 
 def new_generation(previous: int = NO_GENERATION) -> int:
@@ -113,11 +147,14 @@ class ExposureBoard:
         self._next_id = secrets.randbelow(1 << 40) + 1  # ids of two runs of one engine never meet
         self._free = list(range(SLOTS - 1, -1, -1))
         self._live: dict[str, TransferHandle] = {}  # req_id -> handle
+        self._words: dict[str, int] = {}  # req_id -> the id its board word carries (``board_id``)
         self._leases: dict[str, tuple[float | None, float]] = {}  # req_id -> (its ttl, when it expires)
 
-    def expose(self, req_id: str, ttl: float | None = DEFAULT_TTL_S) -> TransferHandle:
-        """A LIVE handle for ``req_id`` whose lease runs ``ttl`` seconds (None: until retracted)."""
+    def expose(self, req_id: str, ttl: float | None = DEFAULT_TTL_S, cache_salt: str | None = None) -> TransferHandle:
+        """A LIVE handle for ``req_id`` whose lease runs ``ttl`` seconds (None: until retracted); with
+        ``cache_salt`` only a puller naming the same salt (``TransferHandle.for_salt``) finds it live."""
         _check_ttl(ttl)
+        salt_tag(cache_salt)  # a bad salt raises before a slot is taken
         with self._lock:
             if req_id in self._live:
                 raise ValueError(f"request {req_id!r} already has a live handle")
@@ -125,9 +162,11 @@ class ExposureBoard:
                 raise RuntimeError(f"all {SLOTS} handle slots are live: retract handles that are done")
             slot = self._free.pop()
             handle = TransferHandle(self.instance_id, req_id, slot, self._next_id)
+            word_id = board_id(handle.handle_id, cache_salt)
             self._next_id = self._next_id % MAX_HANDLE_ID + 1
-            _shm_atomic.store_fenced(self.words, slot, word(handle.handle_id, LIVE))
+            _shm_atomic.store_fenced(self.words, slot, word(word_id, LIVE))
             self._live[req_id] = handle
+            self._words[req_id] = word_id
             self._leases[req_id] = (ttl, math.inf if ttl is None else time.monotonic() + ttl)
             return handle
 
@@ -140,7 +179,7 @@ class ExposureBoard:
     def _retract(self, handle: TransferHandle) -> bool:
         if self._live.get(handle.req_id) != handle:
             return False
-        _shm_atomic.store_fenced(self.words, handle.slot, word(handle.handle_id, RETRACTED))
+        _shm_atomic.store_fenced(self.words, handle.slot, word(self._words.pop(handle.req_id), RETRACTED))
         del self._live[handle.req_id]
         del self._leases[handle.req_id]
         self._free.insert(0, handle.slot)  # reused last: a late reader sees RETRACTED longest

@@ -60,11 +60,16 @@ class Region:
         return [self.kind, self.layer, self.segment, self.offset, self.nbytes]
 
 
-def ipc_params(regions: Sequence[Region], board: Region, layer_board: Region, engine_pid: int) -> dict:
+def ipc_params(regions: Sequence[Region], board: Region, layer_board: Region, engine_pid: int,
+               digests: Region | None = None) -> dict:
     """What a rank puts under ``ipc`` in its descriptor: its caches, its engine's exposure board
-    (pulls from it check handles there) and layer board (pushes into it publish layers there)."""
-    return {"regions": [r.to_wire() for r in regions], "board": board.to_wire(), "layer_board": layer_board.to_wire(),
-            "engine_pid": engine_pid}
+    (pulls from it check handles there) and layer board (pushes into it publish layers there), and
+    its digest table where it publishes digests."""
+    out = {"regions": [r.to_wire() for r in regions], "board": board.to_wire(), "layer_board": layer_board.to_wire(),
+           "engine_pid": engine_pid}
+    if digests is not None:
+        out["digests"] = digests.to_wire()
+    return out
 
 
 class _Mapping:
@@ -117,8 +122,12 @@ class IpcPeer:
         self._sides: dict[str, Side] = {}
         self._board: np.ndarray | None = None
         self.layer_board: np.ndarray | None = None  # the peer engine's layer board, for a push
+        self.digests: np.ndarray | None = None  # the peer rank's digest table, where it publishes one
         try:
             self._sides = self._plan(regions, kind_block_bytes, layer_counts, writable)
+            if params.get("digests") is not None:
+                table = Region.from_wire(params["digests"])
+                self.digests = self._words(table, table.nbytes, writable=False).view(np.int64)
             self._board = self._words(board, BOARD_BYTES, writable=False).view(np.int64)
             self.layer_board = self._words(layer_board, layer_board_bytes, writable).view(np.int64) if writable else None
             self._engine = ProcessWatch(pid)
@@ -185,6 +194,7 @@ class IpcPeer:
         self._sides = {}
         self._board = None
         self.layer_board = None
+        self.digests = None
         for m in self._maps.values():
             m.close()
         self._maps.clear()

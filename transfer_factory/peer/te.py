@@ -172,6 +172,50 @@ class ScratchWords:
         self._late = still
 
 
+class ScratchRegions:
+    """Registered buffers that peers' digest regions are read into (``transfer_factory.peer.digests``),
+    one per read in flight.  A buffer whose read outlived its deadline is handed out again only once
+    that read's batch ended, so a late region never lands in a newer read's buffer."""
+
+    MIN_WORDS = 1 << 14
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+        self._late: list[tuple[np.ndarray, Inflight]] = []
+        self._lock = threading.Lock()
+
+    def read(self, endpoint: "TransferEngineEndpoint", peer: str, peer_address: str, remote: int, count: int,
+             deadline: float) -> np.ndarray:
+        """``count`` 8-byte words of the peer's registered memory at ``remote``, in one transfer."""
+        buf = self._take(endpoint, count)
+        late: Inflight | None = None
+        try:
+            late = endpoint.transfer(peer, peer_address, False, [int(buf.ctypes.data)], [int(remote)], [8 * count],
+                                     deadline) if count else None
+            if late is not None:
+                raise PeerTransferError(f"peer {peer} ({peer_address}): its digests did not arrive in time")
+            return buf[:count].copy()
+        finally:
+            with self._lock:
+                if late is None:
+                    self._free.append(buf)
+                else:
+                    self._late.append((buf, late))
+
+    def _take(self, endpoint: "TransferEngineEndpoint", count: int) -> np.ndarray:
+        with self._lock:
+            still = []
+            for buf, late in self._late:
+                (self._free.append(buf) if late.wait(0) else still.append((buf, late)))
+            self._late = still
+            for i, buf in enumerate(self._free):
+                if len(buf) >= count:
+                    return self._free.pop(i)
+        buf = np.zeros(max(count, self.MIN_WORDS), dtype=np.int64)
+        endpoint.register(int(buf.ctypes.data), buf.nbytes)  # unregistered when the endpoint closes
+        return buf
+
+
 class TransferEngineEndpoint:
     def __init__(self, hostname: str, protocol: str, log: logging.Logger):
         self.hostname = hostname

@@ -128,6 +128,7 @@ class Boards:
     board: Region
     layer_board: Region
     engine_pid: int
+    digests: Region | None = None  # this rank's digest table, where the engine publishes digests
 
 
 class PeerChannel(ABC):
@@ -176,6 +177,11 @@ class PeerChannel(ABC):
     def publish(self, peer: PeerLink, index: int, value: int, deadline: float) -> None:
         """Store ``value`` into word ``index`` of the peer engine's layer board, after every byte
         this rank wrote there before."""
+
+    def digest_words(self, peer: PeerLink, offset: int, count: int, deadline: float) -> Any:
+        """Words ``[offset, offset + count)`` of the peer rank's digest table (an int64 array), read
+        after every byte moved so far (``transfer_factory.peer.digests``)."""
+        raise PeerError(f"{peer.name}: digests cannot be read over {self.name}")
 
     def writable(self, peer: PeerLink) -> bool:
         """Whether this rank may write into the peer's memory over the link."""

@@ -36,7 +36,7 @@ class IpcChannel(PeerChannel):
             return None
         regions = [Region(g.kind, layer, *self._platform.exported_region(t))
                    for g in self._resources.groups for layer, t in enumerate(g.tensors)]
-        return ipc_params(regions, boards.board, boards.layer_board, boards.engine_pid)
+        return ipc_params(regions, boards.board, boards.layer_board, boards.engine_pid, boards.digests)
 
     def open(self, peer: PeerDescriptor, kinds: dict[str, int], name: str) -> IpcPeer:
         # A decode instance only reads its peers; others may push into theirs.
@@ -75,6 +75,14 @@ class IpcChannel(PeerChannel):
 
     def layer_board_word(self, peer: PeerLink, index: int, deadline: float) -> int | None:
         return _shm_atomic.load_after_reads(self._layer_board(peer), index)
+
+    def digest_words(self, peer: PeerLink, offset: int, count: int, deadline: float) -> np.ndarray:
+        table = peer.state.digests
+        if table is None:
+            raise PeerError(f"{peer.name}: publishes no digests (its descriptor names no digest table)")
+        if offset < 0 or count < 0 or offset + count > len(table):
+            raise PeerError(f"{peer.name}: digest region [{offset}, {offset + count}) outside its table")
+        return table[offset:offset + count].copy()
 
     def publish(self, peer: PeerLink, index: int, value: int, deadline: float) -> None:
         # fenced: a load after it (the push ticket, read after "started") cannot pass it

@@ -40,6 +40,7 @@ from cache_manager.rank.peer.tp_rules import refuse_layout, tp_heads
 from cache_manager.queue.clocks import boot_id
 from cache_manager.rank.peer.channel import Boards, InstanceLink, PeerChannel, PeerError, PeerLink, Route
 from cache_manager.rank.peer.datadist import DataDistChannel
+from cache_manager.rank.peer.digests import RankDigests
 from cache_manager.rank.peer.ipc import IpcChannel
 from cache_manager.rank.peer.te import TransferEngineChannel
 from cache_manager.rank.resources import RankResources
@@ -65,6 +66,7 @@ class PeerLinks:
         self._channels = {channel.name: channel for channel in channels}  # one per name in TRANSPORTS
         self._links: dict[str, InstanceLink] = {}
         self._lock = threading.Lock()
+        self.digests = RankDigests(resources, log)  # this rank's digest table, where its engine publishes them
         # before this rank's memory goes (an RL clear, a sleep, the end): no peer may reach it
         resources.watch_release(self._memory_released)
 
@@ -90,8 +92,13 @@ class PeerLinks:
         ([segment, offset, nbytes] of the engine's boards), ``engine_pid``, ``generation`` (of the
         engine's caches) and ``offer`` (transports)."""
         offer = args.get("offer", ["ipc"])
+        tables = args.get("digests")  # per rank, [segment, offset, nbytes] of its digest table, if published
+        if tables is not None and not (isinstance(tables, list) and len(tables) > self._rank):
+            raise ValueError("pd_describe digests must list one digest table per rank")
+        table = Region.from_wire(["digests", 0, *tables[self._rank]]) if tables else None
+        self.digests.attach(table)
         boards = Boards(args["instance_id"], Region.from_wire(["board", 0, *args["board"]]),
-                        Region.from_wire(["layer_board", 0, *args["layer_board"]]), int(args["engine_pid"]))
+                        Region.from_wire(["layer_board", 0, *args["layer_board"]]), int(args["engine_pid"]), table)
         transports: dict[str, dict] = {}
         for name in TRANSPORTS:
             params = self._channels[name].describe(boards) if name in offer else None
@@ -234,6 +241,7 @@ class PeerLinks:
             link.close()
         for channel in self._channels.values():
             channel.close()
+        self.digests.close()
 
 
 def peer_command(peers: PeerLinks | None, command: str, args: dict, rank: int) -> Any:
@@ -248,6 +256,8 @@ def peer_command(peers: PeerLinks | None, command: str, args: dict, rank: int) -
         if not (isinstance(local, list) and isinstance(peer, list) and len(local) > rank):
             raise ValueError("pd_link needs the lists 'local' (per rank) and 'peer' (the peer's ranks)")
         return peers.link(local[rank], peer, forced)
+    if command == "pd_digest":
+        return peers.digests.publish(args)
     if command == "pd_unlink":
         peer_id = args.get("peer")
         if type(peer_id) is not str:

@@ -21,8 +21,8 @@ import numpy as np
 from ops.shm import SharedMemorySegment, segment_identity
 from transfer_factory.peer import PeerDescriptor
 from transfer_factory.peer.handles import GENERATION_WORD
-from transfer_factory.peer.te import (Inflight, PeerTransferError, ScratchWords, TransferEngineEndpoint,
-                                      block_addresses, coalesce)
+from transfer_factory.peer.te import (Inflight, PeerTransferError, ScratchRegions, ScratchWords,
+                                      TransferEngineEndpoint, block_addresses, coalesce)
 
 from cache_manager.rank.peer.channel import Boards, InstanceLink, PeerChannel, PeerError, PeerLink, Route, Sides
 from cache_manager.rank.resources import RankResources
@@ -47,6 +47,11 @@ class TePeer:
         self.capacities = capacities  # per kind, the fewest blocks (state: slots) of any of the peer's layers
         self.board = int(params["board"])
         self.layer_board = int(params["layer_board"])
+        table = params.get("digests")  # [address, bytes] of its digest table, where it publishes digests
+        if table is not None and not (isinstance(table, list) and len(table) == 2 and all(type(v) is int and v >= 0
+                                                                                          for v in table)):
+            raise PeerError(f"{name}: Transfer Engine digest table {table!r:.60} must be [address, bytes]")
+        self.digests: tuple[int, int] | None = (table[0], table[1]) if table else None
 
 
 class TransferEngineChannel(PeerChannel):
@@ -57,6 +62,7 @@ class TransferEngineChannel(PeerChannel):
         self._log = log
         self.te = TransferEngineEndpoint(hostname, "tcp", log)
         self._scratch = ScratchWords()  # where board words land, one per word in flight
+        self._regions = ScratchRegions()  # where peers' digest regions land
         self._boards: dict[tuple, SharedMemorySegment] = {}  # (segment, its file identity) -> our mapping
         self._memory: dict[int, int] = {}  # this rank's caches and swap space registered: address -> bytes
         self._memory_generation = -1  # the ``memory_generation`` they were registered for
@@ -71,21 +77,26 @@ class TransferEngineChannel(PeerChannel):
                 self.te.register(self._scratch.address, self._scratch.words.nbytes)
             self._sync_memory()
             mapped: dict[tuple, SharedMemorySegment] = {}
-            for region in (boards.board, boards.layer_board):
+            addresses = []
+            # the boards, and the digest table where the engine publishes digests
+            for region in (boards.board, boards.layer_board) + ((boards.digests,) if boards.digests else ()):
                 key = (region.segment, segment_identity(region.segment))  # a new side may reuse the name
                 segment = self._boards.get(key) or SharedMemorySegment(region.segment)
                 if key not in self._boards:
                     self.te.register(_address(segment), segment.size)
                 mapped[key] = segment
+                addresses.append(_address(segment))
             for key, segment in self._boards.items():
                 if key not in mapped:
                     self.te.unregister(_address(segment))
                     segment.close()
             self._boards = mapped
-            board, layer_board = (_address(segment) for segment in mapped.values())
             regions = [[g.kind, layer, int(t.data_ptr()), int(np.prod(t.shape)) * t.element_size()]
                        for g in self._resources.groups for layer, t in enumerate(g.tensors)]
-        return {"address": address, "regions": regions, "board": board, "layer_board": layer_board}
+        out = {"address": address, "regions": regions, "board": addresses[0], "layer_board": addresses[1]}
+        if boards.digests is not None:
+            out["digests"] = [addresses[2], boards.digests.nbytes]
+        return out
 
     def _sync_memory(self) -> None:
         wanted = {}
@@ -169,6 +180,17 @@ class TransferEngineChannel(PeerChannel):
 
     def layer_board_word(self, peer: PeerLink, index: int, deadline: float) -> int | None:
         return self._read(peer, [peer.state.layer_board + 8 * index], deadline)[0]
+
+    def digest_words(self, peer: PeerLink, offset: int, count: int, deadline: float) -> np.ndarray:
+        table = peer.state.digests
+        if table is None:
+            raise PeerError(f"{peer.name}: publishes no digests (its descriptor names no digest table)")
+        if offset < 0 or count < 0 or 8 * (offset + count) > table[1]:
+            raise PeerError(f"{peer.name}: digest region [{offset}, {offset + count}) outside its table")
+        try:
+            return self._regions.read(self.te, peer.name, peer.state.address, table[0] + 8 * offset, count, deadline)
+        except PeerTransferError as exc:
+            raise PeerError(f"{peer.name} at {peer.where}: its digests could not be read ({exc})") from None
 
     def publish(self, peer: PeerLink, index: int, value: int, deadline: float) -> None:
         with self._word_lock(peer), self._scratch.take() as scratch:

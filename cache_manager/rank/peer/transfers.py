@@ -78,9 +78,17 @@ class PeerTransfers:
             return Outcome(value=[], still_running=self._late.watch(inflight), error=(
                 f"PeerError: {link.name} at {link.where}: the pull was still running at its deadline (the peer "
                 "stopped, or the network between us is down); its blocks stay held until no byte can land"))
+        bad, why = [], ""
+        if task.digests:  # the source's digests, read after the bytes and before the handle's word
+            bad, why = self._links.digests.check(link, handle, sides, task.dst_block_ids, task.src_block_ids,
+                                                 deadline)
         if not self._still_exposed(link, handle, deadline, "during the pull"):
             raise PeerError(f"{link.name}: request {handle.req_id!r} was retracted or its engine is gone "
                             "during the pull; no block counts")
+        if bad:  # failed blocks, never data: the others are loaded, the task fails naming them
+            failed = set(bad)
+            return Outcome(value=[b for b in task.dst_block_ids if b not in failed], bytes_moved=moved, error=why,
+                           digest_mismatches=len(bad))
         return Outcome(value=list(task.dst_block_ids), bytes_moved=moved)
 
     # ------------------------------------------------------------------ push
@@ -161,13 +169,14 @@ class PeerTransfers:
 
     def _check_ticket(self, link: InstanceLink, task: PushTask, deadline: float) -> None:
         """The decode side still accepts this push into exactly these blocks: its ticket word equals
-        the digest of the ticket's seq and blocks (``layer_progress.reservation_word``)."""
+        the digest of the ticket's seq, blocks and tenant salt tag (``layer_progress.reservation_word``)."""
         word = link.channel.layer_board_word(link.board, ticket_index(link.peer_tp, task.target.slot), deadline)
         if word is None:  # LLM-DataDist: the decode's layer board cannot be read (README, "Limits")
             return
-        if word != reservation_word(task.target.seq, task.dst_block_ids):
+        if word != reservation_word(task.target.seq, task.dst_block_ids, task.salt_tag):
             why = ("fenced (the decode side cancelled or closed it, or it was pushed already)" if word == FENCED
-                   else "not the reservation the decode side made (other blocks, or another reservation's slot)")
+                   else "not the reservation the decode side made (other blocks, another reservation's slot, "
+                        "or another tenant's cache_salt)")
             raise PeerError(f"{link.name}: push ticket of slot {task.target.slot} is {why}; nothing more is written")
 
     def _check_generation(self, link: InstanceLink, now: int | None, when: str, deadline: float = 0.0) -> None:

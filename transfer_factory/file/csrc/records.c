@@ -228,6 +228,9 @@ static PyMethodDef methods[] = {
     {"checksums", fr_checksums, METH_VARARGS,
      "checksums(fn, ptrs, sizes, via_python=False) -> list[int]: fn(view of each buffer) & 0xFFFFFFFF (XXH3 "
      "called directly when bind_xxh3 found it, unless via_python)."},
+    {"block_digests", fr_block_digests, METH_VARARGS,
+     "block_digests(bases, capacities, stride, ids, offset, nbytes, out): out[r * n + i] = XXH3-64 of nbytes at "
+     "bases[r] + ids[i] * stride + offset (records_digest.c; needs bind_xxh3)."},
     {"bind_xxh3", fr_bind_xxh3, METH_O,
      "bind_xxh3(path) -> str | False: use XXH3_64bits_withSeed_dispatch (else XXH3_64bits_withSeed) of the "
      "loaded library at path for checksums; returns the name bound (None: stop, False)."},
