@@ -30,6 +30,10 @@ request's state into a slot, the transfer moves it (``state_slots``) into a slot
 request, and D checks it; between TP sizes such a layout is refused before anything starts, naming
 the group, as a link would refuse it.
 
+With ``--pd-digests`` the prefill ranks digest the blocks they expose and the decode ranks check each
+pulled block against them: a block that differs fails its transfer and counts in
+``pd_digest_mismatches`` (0 in a healthy replay; the key is there with digests off too, at 0).
+
 A transfer that fails counts in ``pd_failed_transfers``, a wrong block in ``pd_corrupt_blocks`` and a
 wrong state slot in ``pd_corrupt_state_slots`` (a layout with state groups: ``pd_state_slots`` arrived);
 either way the request is dropped on D, never decoded from wrong bytes.  Destination blocks a failed
@@ -82,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-tp", type=int, default=None, help="TP size of the decode instances (default --tp)")
     g.add_argument("--pd-decode-ms", type=float, default=0.0,
                    help="simulated decode time per request, during which D holds its blocks (default 0)")
+    g.add_argument("--pd-digests", action=argparse.BooleanOptionalAction, default=False,
+                   help="prefill ranks digest the exposed blocks, decode ranks check every pulled block against "
+                   "them (pull only; default off); a mismatch counts in pd_digest_mismatches")
 
 
 def parse_pd(text: str) -> tuple[int, int]:
@@ -104,10 +111,15 @@ def tp_sizes(args: argparse.Namespace) -> tuple[int, int, int]:
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.pd is None:
-        if (args.pd_mode != "pull" or args.pd_transport != "auto" or args.pd_decode_ms
+        if (args.pd_mode != "pull" or args.pd_transport != "auto" or args.pd_decode_ms or args.pd_digests
                 or args.prefill_tp is not None or args.decode_tp is not None):
-            parser.error("--pd-mode, --pd-transport, --pd-decode-ms, --prefill-tp and --decode-tp need --pd P:D")
+            parser.error("--pd-mode, --pd-transport, --pd-decode-ms, --pd-digests, --prefill-tp and --decode-tp "
+                         "need --pd P:D")
         return
+    if args.pd_digests and args.pd_mode != "pull":
+        parser.error("--pd-digests checks pulls (--pd-mode pull): a push carries no digests yet")
+    if args.pd_digests and tp_sizes(args)[0] != tp_sizes(args)[1]:
+        parser.error("--pd-digests checks instances of one TP size (a head range of a block has no digest)")
     for flag, value in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
         if value is not None and not 1 <= value <= 16:
             parser.error(f"{flag} {value} must be in 1..16")
@@ -217,6 +229,7 @@ class Handoff:
             else:
                 self._land_push()
         except Exception as exc:
+            self.stats.digest_mismatches += getattr(exc, "digest_mismatches", 0)  # failed blocks, never data
             self._fail("transfer", exc)
         if self.error is None:
             self._decode()
@@ -231,7 +244,7 @@ class Handoff:
         timeout = self.args.task_timeout
         self.dst = self.d.allocate(len(self.lease.gpu_blocks))
         self.d_slot = self.d.allocate_slot()
-        handle = self.p.side.expose(f"line-{self.line}", cache_salt=self.salt)
+        handle = self.p.side.expose(f"line-{self.line}", cache_salt=self.salt, blocks=self.lease.gpu_blocks)
         try:
             self.t0 = time.perf_counter()
             self.future = self.d.side.pull_blocks(self.p.id, handle, self.lease.gpu_blocks, self.dst,
@@ -312,7 +325,7 @@ class PrefillInstance:
     def __init__(self, index: int, svc: CacheTransferService, args):
         self.id = f"prefill-{index}"
         self.svc = svc
-        self.side = PrefillDecode(svc, self.id)
+        self.side = PrefillDecode(svc, self.id, digests=args.pd_digests)
         self.cache = TieredPrefixCache(svc, args.device_blocks, args.host_blocks, write_policy=args.write_policy,
                                        write_threshold=args.write_threshold, use_storage=args.storage != "none",
                                        task_timeout=args.task_timeout)
@@ -374,14 +387,15 @@ def run(args: argparse.Namespace, spec, requests, block_hashes, source: str, max
                 if reaper is not None:
                     for pid in svc.pids().values():
                         reaper.watch(pid)
-                inst = PrefillInstance(i, svc, args) if role == "prefill" else DecodeInstance(i, svc)
+                inst = PrefillInstance(i, svc, args) if role == "prefill" else \
+                    DecodeInstance(i, svc, digests=args.pd_digests)
                 stack.callback(inst.side.close)  # before its service stops
                 (prefills if role == "prefill" else decodes).append(inst)
         transport = link_all(prefills, decodes, args.pd_transport)
         print(f"P/D {n_p}:{n_d} up (TP {p_tp}:{d_tp}), {args.pd_mode} over {transport}", flush=True)
         result = _replay(args, prefills, decodes, requests, block_hashes, progress)
         result.update(pd=f"{n_p}:{n_d}", pd_mode=args.pd_mode, pd_transport=transport, prefill_tp=p_tp,
-                      decode_tp=d_tp)
+                      decode_tp=d_tp, pd_digests=args.pd_digests)
         return result
 
 
@@ -455,7 +469,8 @@ def summary_rows(r: dict) -> list[tuple[str, str]]:
                              + (f"; last layer visible {r['pd_layer_visible_ms']:.2f} ms after computed (p50)"
                                 if r["pd_layer_visible_ms"] is not None else "")),
             ("P/D checks", f"{r['pd_blocks'] - r['pd_corrupt_blocks']} blocks bit-exact on decode, "
-                           f"{r['pd_corrupt_blocks']} corrupt, {r['pd_failed_transfers']} failed transfers"
+                           f"{r['pd_corrupt_blocks']} corrupt, {r['pd_failed_transfers']} failed transfers, "
+                           f"{r['pd_digest_mismatches']} digest mismatches (digests {'on' if r['pd_digests'] else 'off'})"
                            + (f"; {r['pd_state_slots'] - r['pd_corrupt_state_slots']} request states bit-exact, "
                               f"{r['pd_corrupt_state_slots']} corrupt" if "pd_state_slots" in r else ""))]
 

@@ -20,9 +20,9 @@ class DecodeInstance:
     layout with state groups) its request slots, which hold a request's blocks and state only while
     it decodes."""
 
-    def __init__(self, index: int, svc: CacheTransferService):
+    def __init__(self, index: int, svc: CacheTransferService, digests: bool = False):
         self.id = f"decode-{index}"
-        self.svc, self.side, self.content = svc, PrefillDecode(svc, self.id), Content(svc)
+        self.svc, self.side, self.content = svc, PrefillDecode(svc, self.id, digests=digests), Content(svc)
         self.free: collections.deque[int] = collections.deque(range(svc.layout.num_blocks))
         self.free_slots: collections.deque[int] = collections.deque(range(svc.layout.request_slots))
         # blocks (and a state slot) a failed transfer may still write, until released() says not
@@ -75,6 +75,7 @@ class PDStats:
     states: int = 0  # state slots that arrived on a decode instance (bit-exact or not)
     corrupt_states: int = 0
     cross_tenant: int = 0  # blocks that arrived holding another tenant's bytes (replay_tenants)
+    digest_mismatches: int = 0  # pulled blocks whose bytes differed from the prefill's digests (failed)
     transfer_ms: list = dataclasses.field(default_factory=list)
     visible_ms: list = dataclasses.field(default_factory=list)
     timeline: list = dataclasses.field(default_factory=list)  # (transfer ms or nan, bytes) per served request
@@ -86,6 +87,7 @@ class PDStats:
         vis = self.visible_ms
         state = {"pd_state_slots": self.states, "pd_corrupt_state_slots": self.corrupt_states} if self.stateful else {}
         return {"pd_requests": self.requests, "pd_blocks": self.blocks, **state, "pd_bytes": self.bytes,
+                "pd_digest_mismatches": self.digest_mismatches,
                 "pd_gbps": self.bytes / busy_s / 1e9 if busy_s else 0.0,
                 "pd_transfer_p50_ms": float(np.percentile(lat, 50)),
                 "pd_transfer_p99_ms": float(np.percentile(lat, 99)),
