@@ -41,9 +41,11 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 from transfer_factory.keys import salted_hashes
 
 from ..core.late_tasks import Quarantine, bytes_moved, outcome
+from ..kv_events import MEDIUM_CPU, KVEventPublisher
 from .device_pool import DevicePool
 from .host_tier import HostTier
 from .storage_writes import StorageWrite, StorageWrites
+from .tier_events import tier_events
 from .tiers import TIERS, CapacityError, Lease, TierStats
 from .write_policy import WRITE_POLICIES, WritePolicy, bounce_blocks_for, check_write_policy
 
@@ -58,7 +60,8 @@ __all__ = ["TIERS", "WRITE_POLICIES", "CapacityError", "Lease", "TierStats", "Ti
 class TieredPrefixCache:
     def __init__(self, service: "CacheTransferService", num_device_blocks: int, num_host_blocks: int, *,
                  write_policy: str = "write_through", write_threshold: int = 2, use_storage: bool = True,
-                 task_timeout: float = 30.0, release_wait: float | None = None, bounce_blocks: int | None = None):
+                 task_timeout: float = 30.0, release_wait: float | None = None, bounce_blocks: int | None = None,
+                 kv_events: KVEventPublisher | None = None):
         """``write_policy``: one of ``WRITE_POLICIES`` (see ``engine_hooks.prefix_cache.write_policy``);
         ``write_threshold``: the hits after which ``write_through_selective`` writes a block.
         ``release_wait``: how long an allocation that cannot be served waits for in-flight writes and
@@ -81,13 +84,16 @@ class TieredPrefixCache:
         self._pool = DevicePool(num_device_blocks, bounce_blocks)
         self._host = HostTier(num_host_blocks)
         self._writes = StorageWrites()
+        # KV events of the host and storage tiers (engine_hooks.kv_events), off without a publisher
+        self._events = tier_events(kv_events, service.spec.block_size, self._pool, self._host, self._writes)
         self._quarantine = Quarantine()
         self.stats = TierStats()
         self._seen_restarts = getattr(service, "rank_replacements", 0)
         self._policy = WritePolicy(write_policy, write_threshold, service=service, pool=self._pool,
                                    writes=self._writes, stats=self.stats, task_timeout=task_timeout,
                                    use_storage=use_storage, release_wait=self.release_wait, hold=self._hold,
-                                   wait_for=lambda until: self._settle(self.release_wait, until))
+                                   wait_for=lambda until: self._settle(self.release_wait, until),
+                                   events=self._events)
 
     @property
     def write_policy(self) -> str:
@@ -208,6 +214,7 @@ class TieredPrefixCache:
             if ok:
                 for (_, h), slot in zip(out, slots):
                     self._host.add(h, slot)
+                self._events.stored([h for _, h in out], MEDIUM_CPU)
                 self.stats.add(swap_out_blocks=len(out_gpu))
             else:  # the blocks are dropped, not lost: storage or recompute has them
                 logger.warning("swap-out of %d blocks failed (%s); dropping them", len(out_gpu),
@@ -226,6 +233,7 @@ class TieredPrefixCache:
         """Up to ``n`` host slots: free ones, then those the host LRU gives up (oldest first)."""
         slots = self._host.take_free(n)
         evicted = self._host.evict_oldest(n - len(slots))
+        self._events.removed((h for h, _ in evicted), MEDIUM_CPU)
         return slots + self._policy.leave_host(evicted, request_id) if evicted else slots
 
     # ------------------------------------------------------------------ requests
@@ -236,6 +244,7 @@ class TieredPrefixCache:
         different salts never serve each other in any tier (``transfer_factory.keys.salted_hashes``)."""
         self._forget_host_tier_after_restarts()
         hashes = salted_hashes(hashes, cache_salt)
+        self._events.note_lease(hashes, cache_salt)
         n = len(hashes)
         sources: list[str] = []
         gpu: list[int] = []
@@ -321,6 +330,7 @@ class TieredPrefixCache:
         # (a restarted rank's swap space is empty, too) nor the blocks may be used until it is released.
         for i in host_pos:
             del held[lease.hashes[i]]
+        self._events.removed((lease.hashes[i] for i in host_pos), MEDIUM_CPU)
         for i in range(host_pos[0], len(lease.sources)):
             if lease.sources[i] == "host":
                 lease.sources[i] = "miss"
@@ -345,7 +355,7 @@ class TieredPrefixCache:
             return
         for i in range(start, start + len(loaded)):
             lease.sources[i] = "storage"
-        self._policy.mark_stored(lease.hashes[start:start + len(loaded)])
+        self._policy.read_result(lease.hashes[start:], len(loaded))  # found, and the first missing
         self.stats.add(storage_read_blocks=len(loaded))
 
     def commit(self, lease: Lease) -> None:
@@ -392,6 +402,7 @@ class TieredPrefixCache:
         self._pool.forget_all()
         self._host.clear()
         self._policy.forget_all()  # the storage namespace changed with the weights
+        self._events.cleared()
 
     def _forget_host_tier_after_restarts(self) -> None:
         """A rank restarted since the last request (the service does that by itself): its swap
@@ -408,6 +419,7 @@ class TieredPrefixCache:
     def drop_host_tier(self) -> None:
         """Forget every host copy (after ``svc.restart_rank``: the new rank's swap space is empty;
         under write_back, what only the host held is lost, never written)."""
+        self._events.removed(self._host.hashes(), MEDIUM_CPU)
         for h in self._host.hashes():
             if self._pool.block_of(h) is None:
                 self._policy.forget(h)

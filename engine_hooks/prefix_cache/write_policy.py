@@ -47,8 +47,10 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable
 
 from ..core.late_tasks import bytes_moved, outcome
+from ..kv_events.wire import MEDIUM_STORAGE
 from .device_pool import DevicePool
 from .storage_writes import StorageWrite, StorageWrites
+from .tier_events import NO_EVENTS, NoTierEvents
 from .tiers import Lease, TierStats
 
 if TYPE_CHECKING:
@@ -96,7 +98,7 @@ class WritePolicy:
 
     def __init__(self, policy: str, threshold: int, *, service: "CacheTransferService", pool: DevicePool,
                  writes: StorageWrites, stats: TierStats, task_timeout: float, use_storage: bool,
-                 release_wait: float, hold: Hold, wait_for: WaitFor):
+                 release_wait: float, hold: Hold, wait_for: WaitFor, events: NoTierEvents = NO_EVENTS):
         check_write_policy(policy, threshold)
         self.policy = policy
         self.threshold = threshold
@@ -109,6 +111,7 @@ class WritePolicy:
         self._release_wait = release_wait  # what wait_for is bounded by, for the log
         self._hold = hold
         self._wait_for = wait_for
+        self._events = events  # STORAGE events: what this engine learns storage holds, or no longer does
         self._stored: set[str] = set()  # hashes this engine knows are in storage
         self._hits: dict[str, int] = {}  # write_through_selective: hits while cached
 
@@ -119,7 +122,17 @@ class WritePolicy:
 
     def mark_stored(self, hashes: list[str]) -> None:
         """A storage read found ``hashes``."""
+        self._events.stored([h for h in hashes if h not in self._stored], MEDIUM_STORAGE)
         self._stored.update(hashes)
+
+    def read_result(self, hashes: list[str], found: int) -> None:
+        """A storage read of ``hashes`` (from the first it was asked for) found the leading ``found``; the
+        next one is not in storage (an object evicted or spoiled there): forget it, so it is written again."""
+        self.mark_stored(hashes[:found])
+        missing = hashes[found:found + 1]
+        if missing and missing[0] in self._stored:
+            self._stored.discard(missing[0])
+            self._events.removed(missing, MEDIUM_STORAGE)
 
     def forget(self, block_hash: str) -> None:
         """The block left device and host."""
@@ -154,6 +167,7 @@ class WritePolicy:
                 raise TypeError(f"write resolved to {type(stored).__name__}, expected the stored block ids")
             now_stored = w.hashes[:len(stored)]
             self._stats.add(storage_write_blocks=sum(h not in self._stored for h in now_stored))
+            self._events.stored([h for h in now_stored if h not in self._stored], MEDIUM_STORAGE)
             self._stored.update(now_stored)
             for h in now_stored:
                 self.forget(h)
