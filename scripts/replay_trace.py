@@ -76,6 +76,7 @@ from engine_hooks.prefix_cache import TIERS, WRITE_POLICIES, CapacityError, Tier
 from engine_hooks.service import default_log_dir  # noqa: E402
 from engine_hooks.prefix_cache.write_policy import default_bounce_blocks  # noqa: E402
 from ops.procs import PathReaper  # noqa: E402
+import replay_events  # noqa: E402
 import replay_instances  # noqa: E402
 import replay_pd  # noqa: E402
 import replay_records  # noqa: E402
@@ -119,9 +120,10 @@ class Progress:
 def replay(svc: CacheTransferService, requests: list[Request], request_block_hashes: list[list[str]],
            args: argparse.Namespace) -> dict:
     """Replays ``requests``, whose block hashes ``request_block_hashes`` holds, in order."""
+    events = replay_events.ReplayEvents(args.kv_events)  # --kv-events: a publisher and a router-like index
     cache = TieredPrefixCache(svc, args.device_blocks, args.host_blocks, write_policy=args.write_policy,
                               write_threshold=args.write_threshold, use_storage=args.storage != "none",
-                              task_timeout=args.task_timeout)
+                              task_timeout=args.task_timeout, kv_events=events.publisher)
     content = Content(svc)
     steps = replay_tenants.plan(requests, request_block_hashes, args.tenants)
     tally = Tally([r for r, _, _ in steps], [h for _, h, _ in steps], args.kv_blocks_per_hash)
@@ -144,6 +146,7 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
         tally.add(req, served, ceiling)
         tenants.add(tenant, served.sources, ceiling, served.cross_tenant)
         progress.update(done, tally.hit_ratio())
+        events.poll()
     if not cache.drain():
         log.warning("storage writes or late tasks still outstanding at the end of the replay")
     elapsed = time.perf_counter() - t0
@@ -156,6 +159,7 @@ def replay(svc: CacheTransferService, requests: list[Request], request_block_has
         result.update(model_result(args.model, svc.layout, svc.tp, args, ledger))
     result.update(tenants.result(args.tenants))
     result["slowest_requests"] = replay_records.slowest([("engine", svc)])  # per-request transfer timelines
+    result.update(events.finish(cache))
     result["_timeline"] = tally.timeline
     return result
 
@@ -198,6 +202,7 @@ def print_summary(r: dict, args: argparse.Namespace) -> None:
         rows += replay_instances.summary_rows(r)
     if r.get("pd"):
         rows += replay_pd.summary_rows(r)
+    rows += replay_events.summary_rows(r)
     width = max(len(k) for k, _ in rows)
     print("-" * (width + 50))
     for k, v in rows:
@@ -383,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the metrics endpoint up this many seconds after the summary")
     replay_instances.add_arguments(p)
     replay_pd.add_arguments(p)
+    replay_events.add_arguments(p)
     replay_tenants.add_arguments(p)
     p.add_argument("--json", action="store_true", help="print a final JSON line")
     p.add_argument("--plot", help="write a PNG: hit ratio over time and the tier breakdown")
@@ -414,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model and args.kill_instance_at is not None:
         parser.error("--kill-instance-at counts the blocks the pool lost by K/V keys: not with --model")
     replay_pd.check_arguments(parser, args)
+    replay_events.check_arguments(parser, args)
     replay_tenants.check_arguments(parser, args)
     if HASH_BLOCK_TOKENS % args.kv_blocks_per_hash:
         parser.error(f"--kv-blocks-per-hash {args.kv_blocks_per_hash} must divide {HASH_BLOCK_TOKENS}")
