@@ -149,11 +149,12 @@ class RequestTransfers:
 class _Live:
     """A task being recorded (mutated under ``TransferRecords``' lock only)."""
 
-    __slots__ = ("request_id", "task_id", "kind", "ranks", "blocks", "wall0", "perf0", "first_start", "done",
+    __slots__ = ("request_id", "tag", "task_id", "kind", "ranks", "blocks", "wall0", "perf0", "first_start", "done",
                  "released", "outcome", "failing", "error", "bytes", "span", "closed")
 
     def __init__(self, request_id: str, task: dict, ranks: list[int]):
         self.request_id, self.task_id, self.ranks = request_id, str(task.get("task_id", "-")), ranks
+        self.tag = request_tag(request_id)
         self.kind, self.blocks = task_kind(task), task_blocks(task)
         self.wall0, self.perf0 = time.time(), time.perf_counter()
         self.first_start: float | None = None  # perf_counter
@@ -192,18 +193,13 @@ class TransferRecords:
         self._requests: collections.OrderedDict[str, collections.deque[_Live]] = collections.OrderedDict()
         self.dropped_requests = 0  # requests whose records made room for newer ones
 
-    @property
-    def enabled(self) -> bool:
-        return self.capacity > 0
-
     # ------------------------------------------------------------------ fed by the tracker
     def open(self, request_id: str, task: dict, ranks: list[int]) -> _Live | None:
         """Start recording ``task`` (stamped with its id) for ``request_id``; None when off."""
         if not self.capacity:
             return None
         live = _Live(request_id, task, ranks)
-        live.span = transfer_spans.start(live.kind, request_tag(request_id), live.task_id, ranks, live.blocks,
-                                         int(live.wall0 * 1e9))
+        live.span = transfer_spans.start(live.kind, live.tag, live.task_id, ranks, live.blocks, int(live.wall0 * 1e9))
         evicted: list[_Live] = []
         with self._lock:
             tasks = self._requests.get(request_id)
@@ -258,19 +254,22 @@ class TransferRecords:
 
     def _close(self, live: _Live) -> None:
         """The task is over (or its record goes): end its span, log it once."""
+        debug = logger.isEnabledFor(logging.DEBUG)
         with self._lock:
             if live.closed:
                 return
             live.closed = True
+            if live.span is None and live.outcome == "ok" and not debug:
+                return  # nothing to say: the common case costs no snapshot
             record = live.snapshot()
-        transfer_spans.finish(live.span, record, request_tag(record.request_id))
+        transfer_spans.finish(live.span, record, live.tag)
         if record.outcome is None:
             return  # evicted in flight
-        tag = request_tag(record.request_id)
+        tag = live.tag
         if record.outcome != "ok":
             logger.warning("req=%s task %s (%s) %s on rank(s) %s", tag, record.task_id, record.kind, record.outcome,
                            sorted(record.failing_ranks) or "-")
-        elif logger.isEnabledFor(logging.DEBUG):
+        elif debug:
             logger.debug("req=%s task %s (%s) ok: %d bytes in %.2f ms", tag, record.task_id, record.kind,
                          record.bytes, (record.end - record.queued) * 1e3)
 
@@ -298,10 +297,3 @@ class TransferRecords:
                 done.append(RequestTransfers(rid, seconds, records))
         done.sort(key=lambda r: r.seconds, reverse=True)
         return done[:n]
-
-    def close(self) -> None:
-        """End the spans of tasks never released (the service stops)."""
-        with self._lock:
-            lives = [live for tasks in self._requests.values() for live in tasks if not live.closed]
-        for live in lives:
-            self._close(live)

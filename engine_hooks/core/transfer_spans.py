@@ -8,7 +8,7 @@ request's tag (a hash: ``ctm.request``, never the raw id), ``ctm.task_id``, ``ct
 (``queued``, ``started``, ``done``, ``released``); status ERROR when the task did not succeed.
 
 Without the package nothing happens; an exporter that raises is logged and never disturbs a task.
-Until the application installs a tracer provider, the API's default makes no-op spans.
+Until the application installs a tracer provider (or where its sampler drops one), no span is kept.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ try:
     from opentelemetry.trace import Status, StatusCode
 except ImportError:  # not installed: no spans
     _trace = None
+_tracer = None  # the API's proxy tracer: it follows a provider installed after it was made
 
 
 def available() -> bool:
@@ -34,11 +35,17 @@ def start(kind: str, tag: str, task_id: str, ranks: list[int], blocks: int, star
     """A started span for a task, or None (no OpenTelemetry, or it failed)."""
     if _trace is None:
         return None
+    global _tracer
     try:
-        return _trace.get_tracer(TRACER_NAME).start_span(
+        if isinstance(_trace.get_tracer_provider(), _trace.ProxyTracerProvider):
+            return None  # no provider installed (yet): the API would make a no-op span
+        if _tracer is None:
+            _tracer = _trace.get_tracer(TRACER_NAME)
+        span = _tracer.start_span(
             f"ctm.{kind}", start_time=start_ns,
             attributes={"ctm.request": tag, "ctm.task_id": task_id, "ctm.kind": kind, "ctm.ranks": list(ranks),
                         "ctm.blocks": blocks})
+        return span if span.is_recording() else None  # no provider installed (or sampled out): nothing to end
     except Exception:
         logger.exception("starting a span for task %s failed", task_id)
         return None
