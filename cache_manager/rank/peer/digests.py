@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,7 @@ from cache_manager.rank.resources import RankResources
 
 MAX_NAMED = 8  # failed blocks a message names
 MAX_THREADS = 8  # digest threads per rank (as many as the copy's, at most this)
+READERS = 4  # source regions read at once per rank (as many as its pulls)
 
 
 class RankDigests:
@@ -44,6 +47,7 @@ class RankDigests:
         self._words: np.ndarray | None = None
         self._threads = max(1, min(MAX_THREADS, default_copy_threads()))
         self._pool: ThreadPoolExecutor | None = None  # started at the first digest, stopped at close
+        self._reader: ThreadPoolExecutor | None = None  # reads sources' regions while the bytes move
         self._pool_lock = threading.Lock()
 
     # ------------------------------------------------------------------ prefill side
@@ -90,10 +94,11 @@ class RankDigests:
         return len(blocks)
 
     # ------------------------------------------------------------------ decode side
-    def check(self, link: InstanceLink, handle: TransferHandle, sides: list[GroupSide], local_ids: list[int],
-              remote_ids: list[int], deadline: float) -> tuple[list[int], str]:
-        """After a pull's bytes landed: the destination blocks whose bytes differ from the source's
-        digests, and a message naming the peer and the first of them ('' when none)."""
+    def start(self, link: InstanceLink, handle: TransferHandle, deadline: float) -> Future:
+        """Before a pull's bytes move: check that its blocks can be checked (raises ``PeerError``
+        naming why) and start reading the source's region, so its round trip overlaps the bytes.
+        Reading it while the bytes move is safe: it counts only if the handle's word, read after
+        both, still says LIVE (a region goes to another handle only once this one is not live)."""
         if handle.digests is None:
             raise PeerError(f"{link.name}: the handle of request {handle.req_id!r} carries no digests (expose it "
                             "with digests on and its blocks)")
@@ -101,11 +106,27 @@ class RankDigests:
         if len(routes) != 1:
             raise PeerError(f"{link.name}: digests are checked only where a rank reads whole blocks from one "
                             f"prefill rank (one TP size); this rank reads from {len(routes)}")
-        route = routes[0]
+        peer = routes[0].peer
+        offset, count, _ = handle.digests
+        with self._pool_lock:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(READERS, thread_name_prefix="pd_digest_read")
+            return self._reader.submit(link.channel.digest_words, peer, offset,
+                                       region_words(count, self.tensor_count()), deadline)
+
+    def check(self, link: InstanceLink, handle: TransferHandle, sides: list[GroupSide], local_ids: list[int],
+              remote_ids: list[int], region: Future, deadline: float) -> tuple[list[int], str]:
+        """After a pull's bytes landed: the destination blocks whose bytes differ from the source's
+        digests (``region``: what ``start`` read), and a message naming the peer and the first of
+        them ('' when none)."""
+        route = link.pull_routes[0]
         peer = route.peer
         tensors = self.tensor_count()
-        offset, count, exposed_id = handle.digests
-        words = link.channel.digest_words(peer, offset, region_words(count, tensors), deadline)
+        _, _, exposed_id = handle.digests
+        try:
+            words = region.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+        except FutureTimeout:
+            raise PeerError(f"{peer.name} at {peer.where}: its digests did not arrive in time") from None
         positions, expected = read_region(words, exposed_id, peer.descriptor.generation, tensors, peer.name)
         bad: dict[int, str] = {}
         first_tensor = 0
@@ -152,9 +173,10 @@ class RankDigests:
 
     def close(self) -> None:
         with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pools, self._pool, self._reader = (self._pool, self._reader), None, None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
         self._close_table()
 
     def _close_table(self) -> None:

@@ -67,6 +67,8 @@ class PeerTransfers:
         if not self._still_exposed(link, handle, deadline, "before the pull"):
             raise PeerError(f"{link.name}: handle of request {handle.req_id!r} is no longer exposed")
         sides = self._sides(task.placement, layers, len(task.dst_block_ids))
+        # with digests: the source's region is read while the bytes move, checked after them
+        region = self._links.digests.start(link, handle, deadline) if task.digests else None
         moved, inflight = link.channel.move(link, link.pull_routes, sides, True, task.dst_block_ids,
                                             task.src_block_ids, layers, task.placement, deadline)
         if inflight is None and task.state_slots is not None:  # the request's state, once, after its blocks
@@ -79,9 +81,9 @@ class PeerTransfers:
                 f"PeerError: {link.name} at {link.where}: the pull was still running at its deadline (the peer "
                 "stopped, or the network between us is down); its blocks stay held until no byte can land"))
         bad, why = [], ""
-        if task.digests:  # the source's digests, read after the bytes and before the handle's word
+        if region is not None:  # the received bytes against the source's digests, before the handle's word
             bad, why = self._links.digests.check(link, handle, sides, task.dst_block_ids, task.src_block_ids,
-                                                 deadline)
+                                                 region, deadline)
         if not self._still_exposed(link, handle, deadline, "during the pull"):
             raise PeerError(f"{link.name}: request {handle.req_id!r} was retracted or its engine is gone "
                             "during the pull; no block counts")
