@@ -3,7 +3,7 @@ from setuptools import Extension, find_packages, setup
 
 block_copy = Extension(
     "ops._block_copy",
-    sources=["ops/csrc/block_copy.c", "ops/csrc/copy_checks.c", "ops/csrc/copy_pool.c"],
+    sources=["ops/csrc/block_copy.c", "ops/csrc/copy_checks.c", "ops/csrc/copy_pool.c", "ops/csrc/copy_digest.c"],
     extra_compile_args=["-O3", "-pthread", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
     extra_link_args=["-pthread"],
 )

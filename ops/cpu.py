@@ -68,6 +68,7 @@ class CpuPlatform(Platform):
     name = "cpu"
     host_addressable = True
     copies_cannot_stall = True
+    digests_copies = True
     takes_instance = True
     exports_device_memory = True
 
@@ -266,6 +267,16 @@ class CpuPlatform(Platform):
             dst.bases, dst.capacities, dst.stride, dst_ids, dst.name,
             plan.block_bytes, 1 if bulk else self.copy_threads, bulk,
         )
+
+    def run_plan_digested(self, plan: CopyPlan, device_ids: BlockIds, host_ids: BlockIds, mode: int, xxh3: int,
+                          out: np.ndarray) -> None:
+        """``run_plan``, one block at a time, each destination block hashed right after it was
+        stored: ``out`` (uint64 or int64, layers x blocks) gets XXH3-64 of every block written;
+        ``xxh3`` is the bound XXH3's address (``transfer_factory.file._records.xxh3_address``)."""
+        c = orient(plan, device_ids, host_ids, check_mode(mode))
+        _block_copy.copy_blocks_digest(c.src.bases, c.src.capacities, c.src.stride, c.src_ids, c.src.name,
+                                       c.dst.bases, c.dst.capacities, c.dst.stride, c.dst_ids, c.dst.name,
+                                       plan.block_bytes, self.copy_threads, int(xxh3), out)
 
     def memory_allocated(self, device_id: int | None = None) -> int:
         with self._lock:

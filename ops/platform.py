@@ -154,6 +154,11 @@ class Platform(ABC):
         ``bulk``: the call is one piece of a transfer far larger than the CPU caches (a hint; a
         platform whose copies do not pass through the CPU caches ignores it)."""
 
+    # A platform that can hash each block as it copies it (the CPU's kernel) sets this and defines
+    # ``run_plan_digested(plan, device_ids, host_ids, mode, xxh3, out)``: a P/D pull with digests
+    # then hashes what it received while it is still in the caches.
+    digests_copies: bool = False
+
     def plan_all_layers(self, caches: Sequence[Any], host_ptrs: Sequence[int], num_cpu_blocks: int) -> "CopyPlan":
         """The checked plan of ``swap_cache_all_layers``; a CTM builds it once and reuses it per task."""
         return all_layers_plan(caches, host_ptrs, num_cpu_blocks, self.host_allocations)

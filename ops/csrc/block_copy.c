@@ -21,6 +21,7 @@
 #include <sys/mman.h>
 
 #include "copy_checks.h"
+#include "copy_digest.h"
 #include "copy_pool.h"
 #if defined(__x86_64__) && defined(__SSE2__)
 #include <emmintrin.h>
@@ -346,6 +347,7 @@ static PyObject *py_pool_workers(PyObject *self, PyObject *args) { return PyLong
 
 static PyMethodDef methods[] = {
     {"copy_blocks", py_copy_blocks, METH_VARARGS, copy_blocks_doc},
+    {"copy_blocks_digest", py_copy_blocks_digest, METH_VARARGS, COPY_BLOCKS_DIGEST_DOC},
     {"copy_contiguous", py_copy_contiguous, METH_VARARGS, copy_contiguous_doc},
     {"host_alloc", py_host_alloc, METH_VARARGS, host_alloc_doc},
     {"host_free", py_host_free, METH_VARARGS, host_free_doc},

@@ -58,6 +58,15 @@ def tag(handle_id: int) -> int:
     return (int(handle_id) << 2) | 1
 
 
+def xxh3_address() -> int:
+    """The address of the XXH3 function bound from xxhash (a C kernel that hashes what it copies
+    calls it: ``ops/csrc/copy_digest.c``); raises where none is bound."""
+    address = _records.xxh3_address()
+    if not address:
+        raise RuntimeError("P/D digests need XXH3 bound from the xxhash package's extension (xxhash >= 3.0)")
+    return address
+
+
 def digests_at(bases: np.ndarray, capacities: np.ndarray, stride: int, ids: Sequence[int], offset: int,
                nbytes: int) -> np.ndarray:
     """XXH3-64 of ``nbytes`` at ``offset`` into each block ``ids[i]`` of each tensor (``bases[r]``,

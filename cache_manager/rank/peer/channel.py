@@ -159,6 +159,14 @@ class PeerChannel(ABC):
         ``sides`` and the peer ranks' (``pull``: into ours); the bytes moved, and what is still in
         flight at ``deadline`` (None once every byte landed)."""
 
+    def move_digested(self, link: InstanceLink, routes: list[Route], sides: Sides, local_ids: list[int],
+                      remote_ids: list[int], layers: range, placement: str, deadline: float
+                      ) -> tuple[int, Inflight | None, dict[str, Any]]:
+        """A pull's ``move``, and per cache kind the XXH3-64 digests (rows x blocks from the group's
+        ``first``) of the bytes received where the transport took them as it wrote them (while they
+        were in the caches); a kind left out is digested by the caller afterwards."""
+        return (*self.move(link, routes, sides, True, local_ids, remote_ids, layers, placement, deadline), {})
+
     @abstractmethod
     def board_word(self, peer: PeerLink, index: int, deadline: float) -> int:
         """Word ``index`` of the peer engine's exposure board, read after every byte moved so far."""

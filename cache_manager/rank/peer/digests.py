@@ -115,10 +115,12 @@ class RankDigests:
                                        region_words(count, self.tensor_count()), deadline)
 
     def check(self, link: InstanceLink, handle: TransferHandle, sides: list[GroupSide], local_ids: list[int],
-              remote_ids: list[int], region: Future, deadline: float) -> tuple[list[int], str]:
+              remote_ids: list[int], region: Future, received: dict[str, np.ndarray], deadline: float
+              ) -> tuple[list[int], str]:
         """After a pull's bytes landed: the destination blocks whose bytes differ from the source's
-        digests (``region``: what ``start`` read), and a message naming the peer and the first of
-        them ('' when none)."""
+        digests (``region``: what ``start`` read; ``received``: per kind, the digests the transport
+        took of the bytes as it wrote them, the others are hashed here), and a message naming the
+        peer and the first of them ('' when none)."""
         route = link.pull_routes[0]
         peer = route.peer
         tensors = self.tensor_count()
@@ -133,7 +135,8 @@ class RankDigests:
         for group in self._resources.block_groups():
             part = next((s for s in sides if s.kind == group.kind), None)
             if part is not None and len(part.rows) and part.first < len(local_ids):
-                self._check_group(link, route, part, first_tensor, local_ids, remote_ids, positions, expected, bad)
+                self._check_group(link, route, part, first_tensor, local_ids, remote_ids, positions, expected,
+                                  received.get(part.kind), bad)
             first_tensor += len(group.tensors)
         if not bad:
             return [], ""
@@ -144,7 +147,7 @@ class RankDigests:
 
     def _check_group(self, link: InstanceLink, route: Any, part: GroupSide, first_tensor: int, local_ids: list[int],
                      remote_ids: list[int], positions: dict[int, int], expected: np.ndarray,
-                     bad: dict[int, str]) -> None:
+                     got: np.ndarray | None, bad: dict[int, str]) -> None:
         peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[part.kind])
         if peer_off or local_off or nbytes != route.peer.kind_bytes[part.kind]:
             raise PeerError(f"{link.name}: digests are checked only where a rank reads whole blocks (one TP size); "
@@ -155,8 +158,9 @@ class RankDigests:
             raise DigestMismatch(f"{route.peer.name}: blocks {missing[:MAX_NAMED]} were not exposed with digests "
                                  "under this handle")
         rows = part.rows
-        got = self._digests(part.side.bases[rows.start:rows.stop], part.side.capacities[rows.start:rows.stop],
-                            part.side.stride, dst, nbytes)
+        if got is None:
+            got = self._digests(part.side.bases[rows.start:rows.stop], part.side.capacities[rows.start:rows.stop],
+                                part.side.stride, dst, nbytes)
         want = expected[first_tensor + rows.start:first_tensor + rows.stop][:, [positions[s] for s in src]]
         for row, col in zip(*np.nonzero(got != want)):
             if dst[col] not in bad:

@@ -17,6 +17,7 @@ from ops.layout import CopyPlan, Side, layer_range
 from ops.modes import HOST_TO_DEVICE
 from ops.platform import Platform
 from transfer_factory.peer import PeerDescriptor
+from transfer_factory.peer.digests import xxh3_address
 from transfer_factory.peer.ipc import IpcPeer, Region, ipc_params
 from transfer_factory.peer.te import Inflight
 
@@ -69,6 +70,30 @@ class IpcChannel(PeerChannel):
                 self._platform.run_plan(_concat(parts), dst, src, HOST_TO_DEVICE)
                 moved += len(dst) * nbytes * len(rows) * len(parts)
         return moved, None
+
+    def move_digested(self, link: InstanceLink, routes: list[Route], sides: Sides, local_ids: list[int],
+                      remote_ids: list[int], layers: range, placement: str, deadline: float
+                      ) -> tuple[int, Inflight | None, dict[str, Any]]:
+        """Where the platform can (``Platform.digests_copies``) and a rank reads whole blocks from one
+        peer rank: each kind copied one block at a time, each block hashed right after it landed."""
+        if not self._platform.digests_copies or len(routes) != 1:
+            return (*self.move(link, routes, sides, True, local_ids, remote_ids, layers, placement, deadline), {})
+        route, moved, received = routes[0], 0, {}
+        for group in sides:
+            kind, rows = group.kind, group.rows
+            peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
+            if not len(rows) or group.first >= len(local_ids):
+                continue
+            if peer_off or local_off or nbytes != route.peer.kind_bytes[kind]:  # a head range: copied, hashed later
+                moved += self.move(link, routes, [group], True, local_ids, remote_ids, layers, placement, deadline)[0]
+                continue
+            plan = layer_range(CopyPlan(group.side, route.peer.state.side(kind), nbytes, None), rows.start, rows.stop)
+            dst, src = local_ids[group.first:], remote_ids[group.first:]
+            out = np.empty((len(rows), len(dst)), dtype=np.int64)
+            self._platform.run_plan_digested(plan, dst, src, HOST_TO_DEVICE, xxh3_address(), out)
+            received[kind] = out
+            moved += len(dst) * nbytes * len(rows)
+        return moved, None, received
 
     def board_word(self, peer: PeerLink, index: int, deadline: float) -> int:
         return peer.state.board_word(index)

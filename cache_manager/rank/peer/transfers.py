@@ -69,8 +69,14 @@ class PeerTransfers:
         sides = self._sides(task.placement, layers, len(task.dst_block_ids))
         # with digests: the source's region is read while the bytes move, checked after them
         region = self._links.digests.start(link, handle, deadline) if task.digests else None
-        moved, inflight = link.channel.move(link, link.pull_routes, sides, True, task.dst_block_ids,
-                                            task.src_block_ids, layers, task.placement, deadline)
+        received: dict = {}  # per kind, the digests of the bytes received, where the transport took them
+        if region is None:
+            moved, inflight = link.channel.move(link, link.pull_routes, sides, True, task.dst_block_ids,
+                                                task.src_block_ids, layers, task.placement, deadline)
+        else:
+            moved, inflight, received = link.channel.move_digested(link, link.pull_routes, sides, task.dst_block_ids,
+                                                                   task.src_block_ids, layers, task.placement,
+                                                                   deadline)
         if inflight is None and task.state_slots is not None:  # the request's state, once, after its blocks
             src, dst = task.state_slots
             state, inflight = link.channel.move(link, link.pull_routes, self._state_sides(), True, [dst], [src],
@@ -83,7 +89,7 @@ class PeerTransfers:
         bad, why = [], ""
         if region is not None:  # the received bytes against the source's digests, before the handle's word
             bad, why = self._links.digests.check(link, handle, sides, task.dst_block_ids, task.src_block_ids,
-                                                 region, deadline)
+                                                 region, received, deadline)
         if not self._still_exposed(link, handle, deadline, "during the pull"):
             raise PeerError(f"{link.name}: request {handle.req_id!r} was retracted or its engine is gone "
                             "during the pull; no block counts")

@@ -231,6 +231,8 @@ static PyMethodDef methods[] = {
     {"block_digests", fr_block_digests, METH_VARARGS,
      "block_digests(bases, capacities, stride, ids, offset, nbytes, out): out[r * n + i] = XXH3-64 of nbytes at "
      "bases[r] + ids[i] * stride + offset (records_digest.c; needs bind_xxh3)."},
+    {"xxh3_address", fr_xxh3_address, METH_NOARGS,
+     "xxh3_address() -> int: the address of the XXH3 function bind_xxh3 bound, 0 when none."},
     {"bind_xxh3", fr_bind_xxh3, METH_O,
      "bind_xxh3(path) -> str | False: use XXH3_64bits_withSeed_dispatch (else XXH3_64bits_withSeed) of the "
      "loaded library at path for checksums; returns the name bound (None: stop, False)."},

@@ -53,6 +53,7 @@ PyObject *fr_payload_bytes(PyObject *self, PyObject *args);
 PyObject *fr_bind_xxh3(PyObject *self, PyObject *arg);
 PyObject *fr_checksums(PyObject *self, PyObject *args);
 PyObject *fr_block_digests(PyObject *self, PyObject *args);
+PyObject *fr_xxh3_address(PyObject *self, PyObject *unused);
 PyObject *fr_write_records(PyObject *self, PyObject *args);
 PyObject *fr_read_records(PyObject *self, PyObject *args);
 PyObject *fr_read_and_sum(PyObject *self, PyObject *args);

@@ -92,3 +92,10 @@ release_bases:
     PyBuffer_Release(&bases);
     return result;
 }
+
+/* xxh3_address() -> int: the address of the XXH3 bind_xxh3 bound (0: none), for a kernel of another
+ * extension that hashes what it copies (ops/csrc/copy_digest.c) without binding it again. */
+PyObject *fr_xxh3_address(PyObject *self, PyObject *unused)
+{
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)fr_xxh3_direct);
+}
