@@ -103,7 +103,7 @@ def test_a_task_failing_on_its_ranks_records_the_outcome_and_each_failing_rank(s
 
 def test_a_task_a_stalled_rank_does_not_answer_records_a_timeout_naming_it(svc):
     with stopped(svc, 1):
-        future = svc.swap_to_cpu([3], [4], timeout=0.5, request_id="stalled")
+        future = svc.swap_to_cpu([3], [4], timeout=1.5, request_id="stalled")  # rank 0 answers well before
         with pytest.raises(TaskTimeoutError):
             future.result(timeout=10)
         (record,) = settled(svc, "stalled", 1)
