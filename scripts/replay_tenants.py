@@ -93,3 +93,12 @@ class TenantTally:
                 "cross_tenant_hits": {tier: self.cross[tier] for tier in ("device", "host", "storage", "pd")},
                 "tenant_hit_ratios": [round(ratio[t], 6) for t in range(tenants)],
                 "tenant_ceilings": [round(ceiling[t], 6) for t in range(tenants)]}
+
+
+def summary_rows(r: dict) -> list[tuple[str, str]]:
+    if r.get("tenants", 1) <= 1:
+        return []
+    cross = r["cross_tenant_hits"]
+    ratios = ", ".join(f"{h:.2%} (ceiling {c:.2%})" for h, c in zip(r["tenant_hit_ratios"], r["tenant_ceilings"]))
+    return [("tenants", f"{r['tenants']}, each with its own cache_salt: hit ratio {ratios}"),
+            ("  cross-tenant hits", ", ".join(f"{tier} {n}" for tier, n in cross.items()))]
