@@ -94,7 +94,7 @@ def _salt_bytes(cache_salt: str | None) -> bytes:
     if cache_salt is None:
         return b""
     if not isinstance(cache_salt, str):
-        raise ValueError(f"cache_salt {cache_salt!r:.40} must be a string or None")
+        raise ValueError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")  # never its value
     raw = cache_salt.encode()
     if len(raw) > MAX_SALT_BYTES:
         raise ValueError(f"cache_salt of {len(raw)} bytes is longer than {MAX_SALT_BYTES}")
