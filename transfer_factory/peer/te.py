@@ -23,7 +23,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -283,7 +283,8 @@ class TransferEngineEndpoint:
         return self.transfer_many([(peer, peer_address, local, remote, lengths)], write, deadline)
 
     def transfer_many(self, jobs: Sequence[tuple[str, str, list[int], list[int], list[int]]], write: bool,
-                      deadline: float) -> Inflight | None:
+                      deadline: float, on_landed: Callable[[list[tuple[int, int]]], None] | None = None
+                      ) -> Inflight | None:
         """Move each job's runs (``(peer name, peer address, local, remote, lengths)``) with its
         peer, every peer's at once (a rank reading its kv heads from several peer ranks); None once
         every run has landed, an ``Inflight`` if the deadline passed with some still running.
@@ -292,9 +293,11 @@ class TransferEngineEndpoint:
 
         Each run is its own batch: the binding's ``transfer_check_status`` reports only the first
         task of a batch, so a batch of many runs looked done while most were still in flight.  At
-        most ``MAX_SLICES_IN_FLIGHT`` slices per peer."""
+        most ``MAX_SLICES_IN_FLIGHT`` slices per peer.  ``on_landed([(job, run), ...])`` hears, once per
+        look at the batches, the runs whose batch ended since (while the others are still in
+        flight: a pull digests what landed meanwhile); it must not raise."""
         submit = self._engine.batch_transfer_async_write if write else self._engine.batch_transfer_async_read
-        pending: list[tuple[int, int, int]] = []  # (batch id, slices, job)
+        pending: list[tuple[int, int, int, int]] = []  # (batch id, slices, job, run)
         in_flight = [0] * len(jobs)
         next_run = [0] * len(jobs)
         failure, failed_job = "", 0
@@ -309,7 +312,7 @@ class TransferEngineEndpoint:
                         failure, failed_job = (f"the Transfer Engine refused a run (batch id {batch}: 0 when it "
                                                "could not reach the peer)"), j
                         break
-                    pending.append((batch, _slices(lengths[i]), j))
+                    pending.append((batch, _slices(lengths[i]), j, i))
                     in_flight[j] += pending[-1][1]
                     next_run[j] += 1
             still, ended, status, entry = self._poll_once(pending)
@@ -317,9 +320,12 @@ class TransferEngineEndpoint:
                 failed_job = entry[2]
                 failure = "transfer timed out" if status == TIMED_OUT else f"transfer failed (status {status})"
             if ended:
+                if on_landed is not None:
+                    running = {e[0] for e in still}
+                    on_landed([(e[2], e[3]) for e in pending if e[0] not in running])
                 pending = still
                 in_flight = [0] * len(jobs)  # one pass over what is still in flight, not one per peer
-                for _, slices, job in pending:
+                for _, slices, job, _ in pending:
                     in_flight[job] += slices
                 wait = POLL_FIRST_S
             left = sum(len(job[4]) - next_run[j] for j, job in enumerate(jobs))

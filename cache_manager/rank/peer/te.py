@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any, Callable
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from transfer_factory.peer.te import (Inflight, PeerTransferError, ScratchRegion
                                       TransferEngineEndpoint, block_addresses, coalesce)
 
 from cache_manager.rank.peer.channel import Boards, InstanceLink, PeerChannel, PeerError, PeerLink, Route, Sides
+from cache_manager.rank.peer.landed import LandedDigests, whole_blocks
 from cache_manager.rank.resources import RankResources
 
 
@@ -147,15 +149,35 @@ class TransferEngineChannel(PeerChannel):
              remote_ids: list[int], layers: range, placement: str, deadline: float) -> tuple[int, Inflight | None]:
         """One transfer with the routes' peer ranks, all at once, of each route's head range of
         every kind's ``layers``, adjacent ranges coalesced."""
+        jobs, _ = self._jobs(link, routes, sides, pull, local_ids, remote_ids)
+        return sum(sum(job[4]) for job in jobs), self._transfer(jobs, not pull, deadline)
+
+    def move_digested(self, link: InstanceLink, routes: list[Route], sides: Sides, local_ids: list[int],
+                      remote_ids: list[int], layers: range, placement: str, deadline: float
+                      ) -> tuple[int, Inflight | None, dict[str, Any]]:
+        """A pull whose blocks are digested as their runs land, while the others are still in
+        flight (a rank reading whole blocks from one peer rank; otherwise after the transfer)."""
+        if not whole_blocks(link, routes, sides):
+            return super().move_digested(link, routes, sides, local_ids, remote_ids, layers, placement, deadline)
+        jobs, runs = self._jobs(link, routes, sides, True, local_ids, remote_ids)
+        digests = LandedDigests(sides, local_ids, runs[0], [routes[0].peer.kind_bytes[g.kind] for g in sides], self._log)
+        inflight = self._transfer(jobs, False, deadline, digests.landed)
+        return sum(sum(job[4]) for job in jobs), inflight, digests.result() if inflight is None else {}
+
+    def _jobs(self, link: InstanceLink, routes: list[Route], sides: Sides, pull: bool, local_ids: list[int],
+              remote_ids: list[int]) -> tuple[list[tuple], list[list[tuple[int, int, int]]]]:
+        """Per route, its peer's job for ``transfer_many``, and per run of it (group index, first
+        item, items): the items of a group are its blocks of its rows, row by row."""
         for group in sides:
             _check_ids(local_ids, int(group.side.capacities.min()), "destination" if pull else "source")
-        jobs = []
+        jobs, items = [], []
         for route in routes:
             peer: TePeer = route.peer.state
             local_addrs: list[int] = []
             remote_addrs: list[int] = []
             lengths: list[int] = []
-            for group in sides:
+            route_items: list[tuple[int, int, int]] = []
+            for index, group in enumerate(sides):
                 kind, local, rows, first = group.kind, group.side, group.rows, group.first
                 _check_ids(remote_ids, peer.capacities[kind], "source" if pull else "destination")
                 peer_off, local_off, nbytes = route.span.offsets(link.head_bytes[kind])
@@ -165,12 +187,20 @@ class TransferEngineChannel(PeerChannel):
                 local_addrs += runs[0]
                 remote_addrs += runs[1]
                 lengths += runs[2]
+                start = 0
+                for length in runs[2]:
+                    route_items.append((index, start, length // nbytes))
+                    start += length // nbytes
             jobs.append((route.peer.name, peer.address, local_addrs, remote_addrs, lengths))
+            items.append(route_items)
+        return jobs, items
+
+    def _transfer(self, jobs: list[tuple], write: bool, deadline: float,
+                  on_landed: Callable[[list[tuple[int, int]]], None] | None = None) -> Inflight | None:
         if self._memory_generation != self._resources.memory_generation:  # re-attached since: register anew
             with self._lock:
                 self._sync_memory()
-        inflight = self.te.transfer_many(jobs, not pull, deadline)
-        return sum(sum(job[4]) for job in jobs), inflight
+        return self.te.transfer_many(jobs, write, deadline, on_landed)
 
     def board_word(self, peer: PeerLink, index: int, deadline: float) -> int:
         return self._read(peer, [peer.state.board + 8 * index], deadline)[0]
