@@ -56,3 +56,12 @@ def rounded(value: object) -> object:
     if isinstance(value, list):
         return [rounded(x) for x in value]
     return value
+
+
+def add_pd_size_arguments(p, mib: int, reps: int) -> None:
+    """The P/D benchmarks' shape of a transfer: block sizes, layers, TP, bytes per transfer, repeats."""
+    p.add_argument("--block-kib", default="16,512", help="comma-separated K block sizes of one layer on one rank, KiB")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--mib", type=int, default=mib, help="at least this many MiB per rank per transfer (K+V, all layers)")
+    p.add_argument("--reps", type=int, default=reps)

@@ -71,7 +71,7 @@ import statistics
 import time
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import per_rank, quiet_paddle, setup_logging
+from _common import add_pd_size_arguments, per_rank, quiet_paddle, setup_logging
 
 quiet_paddle()
 
@@ -332,11 +332,7 @@ def fmt(value: float | None, width: int, digits: int) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--block-kib", default="16,512", help="comma-separated K block sizes of one layer on one rank, KiB")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--mib", type=int, default=64, help="at least this many MiB per rank per transfer (K+V, all layers)")
-    p.add_argument("--reps", type=int, default=15)
+    add_pd_size_arguments(p, mib=64, reps=15)
     p.add_argument("--compute-ms", type=float, default=5.0, help="least per-layer compute of the layer-wise push")
     p.add_argument("--compute-factor", type=float, default=1.2, help="per-layer compute over per-layer whole push")
     p.add_argument("--te-chunk", type=int, default=1024, help="most 64 KiB slices per raw Transfer Engine batch")

@@ -27,7 +27,7 @@ import statistics
 import time
 
 import _common  # noqa: F401  (puts the repo on sys.path)
-from _common import quiet_paddle, rounded, setup_logging
+from _common import add_pd_size_arguments, quiet_paddle, rounded, setup_logging
 
 quiet_paddle()
 
@@ -128,11 +128,7 @@ class DigestBench:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--block-kib", default="16,512", help="comma-separated K block sizes of one layer on one rank, KiB")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--mib", type=int, default=32, help="at least this many MiB per rank per transfer (K+V, all layers)")
-    p.add_argument("--reps", type=int, default=9)
+    add_pd_size_arguments(p, mib=32, reps=9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
