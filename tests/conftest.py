@@ -61,7 +61,11 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 # Each repeats at length what a default test checks once: the two-host bed's fault scenarios (the
 # bit-exact transfer across the veth stays in ``make test``), a Mooncake master stopped under late
 # writes, replays of several instances, a replay's end by signal, a thousand random P/D transfers,
-# every preset over P/D, the real-scale engine.  Matched on "file.py" or a prefix of "file.py::test".
+# every preset over P/D, the real-scale engine; and replays whose transport, instance count, metrics,
+# Mooncake master or model a faster default test covers already (the replay over P/D on the same-host
+# path and each layout kind stay; the Transfer Engine, TP pairs and presets over P/D are in
+# tests/engine_hooks/pd and test_cache_layout_paths.py).  Matched on "file.py" or a prefix of
+# "file.py::test".
 SLOW_TESTS = (
     "test_pd_two_hosts.py::test_a_pull_from_a_sigkilled", "test_pd_two_hosts.py::test_a_blackholed",
     "test_pd_two_hosts.py::test_two_hosts_left", "test_pd_two_hosts.py::test_a_decode_host_whose_clock",
@@ -74,6 +78,14 @@ SLOW_TESTS = (
     "test_cache_layout_paths.py::test_each_preset_pulls_and_pushes_bit_exact_over_both_transports[deepseek-v4]",
     "test_cache_layout_paths.py::test_each_preset_pulls_and_pushes_bit_exact_over_both_transports[qwen3-235b]",
     "test_cache_layout_paths.py::test_heads_replicated_over_more_ranks",
+    "test_replay_pd.py::test_every_block_reaches_decode_bit_exact_at_the_ceiling[pull-mooncake]",
+    "test_replay_pd.py::test_every_block_reaches_decode_bit_exact_at_the_ceiling[push-mooncake]",
+    "test_replay_pd.py::test_instances_of_different_tp_sizes_hand_over_every_block_bit_exact[2-1-pull-mooncake]",
+    "test_replay_pd.py::test_two_prefill_instances_share_one_decode_instance",
+    "test_replay.py::test_metrics_scraped_during_a_replay", "test_replay.py::test_replay_with_mooncake_starts",
+    "test_bench_layouts.py", "test_rl_update.py::test_clear_and_restore_never_serve_kv_of_the_old_weights[mooncake]",
+    "test_replay_models.py::test_a_model_replays_bit_exact_and_reports_its_bytes_against_the_naive_layout[qwen3-next]",
+    "test_replay_models.py::test_a_model_over_pd_reaches_decode_bit_exact[deepseek-v4-push]",
 )
 
 # Tests of uid, ownership and file-mode behaviour, marked ``permissions``: ``make test`` runs them a
