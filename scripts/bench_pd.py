@@ -109,6 +109,16 @@ def views(svc: CacheTransferService) -> list[dict[str, list[np.ndarray]]]:
             for caches in svc.caches.tensors]
 
 
+def fill_random(services: list[CacheTransferService]) -> None:
+    """Random bytes in every block of every service's caches: no zero pages, no first-touch faults."""
+    for i, svc in enumerate(services):
+        rng = np.random.default_rng(1000 + i)
+        for rank_views in views(svc):
+            for layers in rank_views.values():
+                for v in layers:
+                    v[:] = rng.integers(0, 256, v.shape, dtype=np.uint8)
+
+
 def compute(seconds: float) -> None:
     """One layer's compute: a sleep (a GPU computing leaves the host's cores to the copy)."""
     time.sleep(seconds)
@@ -151,12 +161,7 @@ class Bench:
         assert self.pi.link(self.d.descriptor(["ipc"]), transport="ipc") == "ipc"
         assert self.d.link(self.pt.descriptor(both), transport="mooncake") == "mooncake"
         assert self.pt.link(self.d.descriptor(both), transport="mooncake") == "mooncake"
-        for i, svc in enumerate(self.services):  # written everywhere: no zero pages, no first-touch faults
-            rng = np.random.default_rng(1000 + i)
-            for rank_views in views(svc):
-                for layers in rank_views.values():
-                    for v in layers:
-                        v[:] = rng.integers(0, 256, v.shape, dtype=np.uint8)
+        fill_random(self.services)
         self.d_views, self.pt_views = views(self.d_svc), views(self.pt_svc)
         self.raw = RawTe(self.d_views, self.pt_views, log)
         self.pt_te, self.d_te = te_params(self.pt), te_params(self.d)

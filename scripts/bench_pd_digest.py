@@ -33,7 +33,7 @@ quiet_paddle()
 
 import numpy as np  # noqa: E402
 
-from bench_pd import spec_for, views  # noqa: E402
+from bench_pd import fill_random, spec_for  # noqa: E402
 from engine_hooks import CacheTransferService  # noqa: E402
 from engine_hooks.pd import PrefillDecode  # noqa: E402
 
@@ -72,12 +72,7 @@ class DigestBench:
         for t, offer, transport in (("ipc", ["ipc"], "ipc"), ("te", ["ipc", "mooncake"], "mooncake")):
             assert self.d.link(self.p[t].descriptor(offer), transport=transport) == transport
             assert self.p[t].link(self.d.descriptor(offer), transport=transport) == transport
-        for i, svc in enumerate(self.services):  # written everywhere: no zero pages, no first-touch faults
-            rng = np.random.default_rng(1000 + i)
-            for rank_views in views(svc):
-                for layers in rank_views.values():
-                    for v in layers:
-                        v[:] = rng.integers(0, 256, v.shape, dtype=np.uint8)
+        fill_random(self.services)
 
     def ids(self) -> tuple[list[int], list[int]]:
         return (self.rng.choice(self.num_blocks, self.n, replace=False).tolist(),
