@@ -318,8 +318,9 @@ class PrefillDecode:
             raise ValueError(f"src_blocks has {len(src)} ids but the ticket reserved {len(dst)}")
         task = {"event_type": int(CacheStatus.PEER_PUSH), "peer": peer_id, "target": target.to_wire(),
                 "src_block_ids": src, "dst_block_ids": dst}
-        if salt_tag(cache_salt):
-            task["salt_tag"] = salt_tag(cache_salt)
+        tag = salt_tag(cache_salt)
+        if tag:
+            task["salt_tag"] = tag
         if state_slots is not None:
             task["state_slots"] = self._state_slots(state_slots, mine=0)
         return self._svc._submit_maybe_layerwise(task, timeout, 0.0, layerwise, is_store=True,
